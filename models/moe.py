@@ -1,0 +1,137 @@
+"""A mixture-of-experts layer (router, top-k, SwiGLU experts) with expert parallelism.
+
+Plain PyTorch, random weights from a seed. Each rank of the expert-parallel group holds
+``n_experts / ep`` experts and its own tokens. Tokens travel to the rank that owns their
+expert and back through ``all_to_all_single`` (the functional, autograd-aware form, so
+``torch.compile`` captures it in forward and backward):
+
+    x ─ router ─ top-k ─ pack per expert ─ all_to_all (dispatch) ─ expert GEMMs
+      ─ all_to_all (combine) ─ unpack, weight by gate ─ y
+
+The capacity form packs up to ``capacity`` tokens per expert, so every all-to-all has
+even splits and static shapes: the form that compiles without graph breaks. Tokens over
+capacity are dropped (their output is zero), as in GShard/Switch.
+
+``expert_form`` chooses how the expert GEMMs are written: ``"bmm"`` (one batched matmul
+over local experts) or ``"loop"`` (a Python loop of per-expert matmuls).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(kw_only=True)
+class MoEConfig:
+    dim: int = 64
+    """Token width."""
+    hidden: int = 128
+    """Hidden width of each SwiGLU expert."""
+    n_experts: int = 8
+    """Experts in total, across the expert-parallel group."""
+    top_k: int = 2
+    """Experts per token."""
+    capacity_factor: float = 2.0
+    """Slots per expert = ceil(capacity_factor * tokens * top_k / n_experts)."""
+    expert_form: str = "bmm"
+    """How expert GEMMs are written: "bmm" or "loop"."""
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.expert_form not in ("bmm", "loop"):
+            raise ValueError(f"MoEConfig.expert_form={self.expert_form!r}; allowed: 'bmm', 'loop'")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"MoEConfig.top_k={self.top_k} must be in 1..n_experts={self.n_experts}")
+
+
+def capacity(cfg: MoEConfig, tokens: int) -> int:
+    return max(1, -(-int(cfg.capacity_factor * tokens * cfg.top_k) // cfg.n_experts))
+
+
+class MoE(nn.Module):
+    """Expert-parallel MoE over ``group`` (None: a single process holding every expert)."""
+
+    def __init__(self, cfg: MoEConfig, group=None):
+        super().__init__()
+        self.cfg = cfg
+        self.group = group
+        ep = 1 if group is None else torch.distributed.get_world_size(group)
+        rank = 0 if group is None else torch.distributed.get_rank(group)
+        if cfg.n_experts % ep:
+            raise ValueError(f"MoEConfig.n_experts={cfg.n_experts} is not divisible by the expert-parallel degree {ep}")
+        self.ep = ep
+        self.n_local = cfg.n_experts // ep
+        g = torch.Generator().manual_seed(cfg.seed)
+        # Every rank draws the full expert set from the seed and keeps its own slice, so the
+        # layer equals the single-process layer whatever the degree.
+        scale_in, scale_h = cfg.dim ** -0.5, cfg.hidden ** -0.5
+        router = torch.randn(cfg.dim, cfg.n_experts, generator=g) * scale_in
+        w1 = torch.randn(cfg.n_experts, cfg.dim, cfg.hidden, generator=g) * scale_in
+        w3 = torch.randn(cfg.n_experts, cfg.dim, cfg.hidden, generator=g) * scale_in
+        w2 = torch.randn(cfg.n_experts, cfg.hidden, cfg.dim, generator=g) * scale_h
+        lo, hi = rank * self.n_local, (rank + 1) * self.n_local
+        self.router = nn.Parameter(router)
+        self.w1 = nn.Parameter(w1[lo:hi].clone())
+        self.w3 = nn.Parameter(w3[lo:hi].clone())
+        self.w2 = nn.Parameter(w2[lo:hi].clone())
+
+    def _all_to_all(self, x):
+        if self.group is None:
+            return x
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+        return all_to_all_single_autograd(x, None, None, self.group)
+
+    def _experts(self, x):
+        """x: (n_local, slots, dim) -> (n_local, slots, dim)."""
+        if self.cfg.expert_form == "bmm":
+            h = F.silu(torch.bmm(x, self.w1)) * torch.bmm(x, self.w3)
+            return torch.bmm(h, self.w2)
+        outs = []
+        for e in range(self.n_local):
+            h = F.silu(x[e] @ self.w1[e]) * (x[e] @ self.w3[e])
+            outs.append(h @ self.w2[e])
+        return torch.stack(outs)
+
+    def forward(self, x):
+        """x: (tokens, dim) local to this rank -> (tokens, dim)."""
+        cfg = self.cfg
+        t, d = x.shape
+        cap = capacity(cfg, t)
+        probs = torch.softmax(x.float() @ self.router.float(), dim=-1)
+        gate, expert = torch.topk(probs, cfg.top_k, dim=-1)                 # (t, k)
+        gate = (gate / gate.sum(-1, keepdim=True)).to(x.dtype)
+        # Position of each (token, choice) in its expert's slots, in token order.
+        onehot = F.one_hot(expert.reshape(-1), cfg.n_experts)                  # (t*k, E)
+        pos = ((torch.cumsum(onehot, 0) - 1) * onehot).sum(-1)                # (t*k,)
+        keep = pos < cap
+        slot = torch.where(keep, expert.reshape(-1) * cap + pos, torch.full_like(pos, cfg.n_experts * cap))
+        tok = torch.arange(t, device=x.device).repeat_interleave(cfg.top_k)
+        # One spare row collects dropped tokens and is cut off.
+        packed = x.new_zeros(cfg.n_experts * cap + 1, d).index_add(0, slot, x[tok])
+        packed = packed[: cfg.n_experts * cap]                                  # (E*cap, d) by expert
+        # Dispatch: rank r receives, from every rank, the slots of r's local experts.
+        recv = self._all_to_all(packed)                                        # (ep*n_local*cap, d)
+        recv = recv.view(self.ep, self.n_local, cap, d).transpose(0, 1).reshape(self.n_local, self.ep * cap, d)
+        out = self._experts(recv)
+        out = out.view(self.n_local, self.ep, cap, d).transpose(0, 1).reshape(self.ep * self.n_local * cap, d)
+        # Combine: the results go back to the ranks the tokens came from.
+        back = self._all_to_all(out)                                           # (E*cap, d) by expert
+        back = torch.cat([back, back.new_zeros(1, d)])
+        y = back[slot] * (gate.reshape(-1, 1) * keep.unsqueeze(1).to(x.dtype))
+        return y.view(t, cfg.top_k, d).sum(1)
+
+
+def example_tokens(cfg: MoEConfig, tokens: int, seed: int = 1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(tokens, cfg.dim, generator=g).to(dtype)
+
+
+def build_ep(mesh, *, tokens: int = 64, **cfg_kw):
+    """(model, example_inputs) for the expert-parallel MoE layer on a 1-D mesh."""
+    cfg = MoEConfig(**cfg_kw)
+    rank = mesh.get_local_rank()
+    x = example_tokens(cfg, tokens, seed=1 + rank).requires_grad_(True)
+    return MoE(cfg, mesh.get_group()), (x,)

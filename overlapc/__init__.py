@@ -1,0 +1,23 @@
+"""overlapc: a compiler for computation-communication overlap in distributed PyTorch.
+
+Three doors, one pipeline behind them::
+
+    torch.compile(model, backend="overlapc", options={"chunks": 4})
+    torch.compile(model, backend=overlapc.backend(strategy="decompose"))
+    @overlapc.overlap()                      # module class, module instance or function
+    overlapc.explain(model, *inputs)         # Report, without running a collective
+
+See README.md and ../shared/DESIGN.md for how the pieces fit.
+"""
+from .backend import Backend, backend, last_report, overlapc_backend, reset_report
+from .decorator import overlap
+from .errors import OverlapError
+from .explain import explain
+from .options import Options
+from .report import Report, Site
+
+__all__ = [
+    "Backend", "backend", "overlap", "explain", "last_report", "reset_report",
+    "Options", "OverlapError", "Report", "Site", "overlapc_backend",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,165 @@
+"""The torch.compile backend: capture with AOTAutograd, rewrite, run with the inner compiler.
+
+    torch.compile(model, backend="overlapc")                          # registered entry point
+    torch.compile(model, backend="overlapc", options={"chunks": 4})
+    torch.compile(model, backend=overlapc.backend(strategy="decompose"))
+
+Dynamo hands the backend a torch-level graph. AOTAutograd turns it into ATen forward and
+backward graphs in which collectives are functional ops. Where the passes run depends on
+the inner compiler:
+
+- ``inner="eager"``: in AOTAutograd's forward/backward/inference compilers; the rewritten
+  graphs then run as they are.
+- ``inner="inductor"``: as inductor's post-grad custom pass, on the graphs inductor is
+  about to lower, so that its own decompositions and pattern passes have already run.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from .options import Options
+from .report import Report
+
+log = logging.getLogger("overlapc")
+
+# Every compile through the registered "overlapc" name adds its sites here; see last_report().
+_GLOBAL_REPORT = Report()
+_GLOBAL_LOCK = threading.Lock()
+
+
+def last_report() -> Report:
+    """Sites of every graph compiled through backend="overlapc" in this process (since reset_report())."""
+    return _GLOBAL_REPORT
+
+
+def reset_report():
+    with _GLOBAL_LOCK:
+        _GLOBAL_REPORT.sites.clear()
+
+
+class Backend:
+    """A torch.compile backend with fixed options; ``.report`` collects what it did."""
+
+    def __init__(self, options: Options | None = None, report: Report | None = None,
+                 keep_graphs: bool = False):
+        self.options = options or Options()
+        self.report = report if report is not None else Report()
+        self.graphs: list[tuple[str, torch.fx.GraphModule]] | None = [] if keep_graphs else None
+        """With keep_graphs: (graph kind, rewritten GraphModule) of every graph compiled."""
+        self.__name__ = "overlapc"
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs, **kwargs):
+        opts = self.options
+        extra = dict(kwargs.pop("options", None) or {})
+        if kwargs.get("mode") not in (None, "default"):
+            extra["mode"] = kwargs.pop("mode")
+        kwargs.pop("mode", None)
+        if kwargs:
+            extra.update(kwargs)
+        if extra:
+            opts = Options.from_user(opts, **extra)
+        return compile_graph(gm, example_inputs, opts, self.report, self.graphs)
+
+    def __repr__(self):
+        return f"overlapc.Backend({self.options})"
+
+
+def backend(**options: Any) -> Backend:
+    """A torch.compile backend with these options: ``torch.compile(m, backend=overlapc.backend(chunks=4))``."""
+    return Backend(Options.from_user(None, **options))
+
+
+def overlapc_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):
+    """The entry point registered as ``torch_dynamo_backends: overlapc``."""
+    opts = Options.from_user(options)
+    return Backend(opts, _GLOBAL_REPORT)(gm, example_inputs, **kwargs)
+
+
+def compile_graph(gm, example_inputs, opts: Options, report: Report, graphs: list | None = None):
+    log.info("overlapc: compiling a graph of %d nodes (%s)", len(gm.graph.nodes), _brief(opts))
+    from torch._functorch import config as functorch_config
+
+    # A cache hit would skip the passes, and with them the report.
+    with functorch_config.patch(enable_autograd_cache=False):
+        if opts.inner == "eager":
+            return _compile_eager(gm, example_inputs, opts, report, graphs)
+        return _compile_inductor(gm, example_inputs, opts, report, graphs)
+
+
+def _run_passes(gm, kind: str, opts: Options, report: Report, graphs: list | None):
+    from overlapc.passes import optimize
+
+    sites = optimize(gm, kind, opts)
+    with _GLOBAL_LOCK:
+        report.extend(sites)
+        if graphs is not None:
+            graphs.append((kind, gm))
+    if sites:
+        from .report import format_table
+        log.info("overlapc: %s graph\n%s", kind, format_table(sites))
+
+
+def _compile_eager(gm, example_inputs, opts, report, graphs):
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def compiler(kind):
+        def compile_fn(g, _inputs):
+            _run_passes(g, kind, opts, report, graphs)
+            return make_boxed_func(g.forward)
+        return compile_fn
+
+    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+                        inference_compiler=compiler("inference"))(gm, example_inputs)
+
+
+def _overlap_pass_class():
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class OverlapPass(CustomGraphPass):
+        """inductor post-grad custom pass; the graph kind comes from the inner-compile call."""
+
+        def __init__(self, opts: Options, report: Report, graphs: list | None):
+            self.opts, self.report, self.graphs = opts, report, graphs
+            self.kind = "forward"
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            _run_passes(graph.owning_module, self.kind, self.opts, self.report, self.graphs)
+
+        def uuid(self):
+            return None  # never cache: the report must be rebuilt on every compile
+
+    return OverlapPass
+
+
+def _compile_inductor(gm, example_inputs, opts, report, graphs):
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    pass_ = _overlap_pass_class()(opts, report, graphs)
+
+    def inner_compile(g, inputs, **kw):
+        pass_.kind = "backward" if kw.get("is_backward") else "inference" if kw.get("is_inference") else "forward"
+        return compile_fx_inner(g, inputs, **kw)
+
+    patches = {"post_grad_custom_post_pass": pass_, "fx_graph_cache": False}
+    if opts.mode and opts.mode != "default":
+        patches.update(torch._inductor.list_mode_options(opts.mode))
+    patches.update(_inductor_guards(inductor_config))
+    return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+
+
+def _inductor_guards(inductor_config) -> dict:
+    """inductor settings that would move overlapc's collectives or waits; see passes/schedule.py."""
+    return {}
+
+
+def _brief(opts: Options) -> str:
+    d = Options()
+    diff = {k: getattr(opts, k) for k in Options.names() if getattr(opts, k) != getattr(d, k)}
+    return ", ".join(f"{k}={v!r}" for k, v in diff.items()) or "defaults"
+

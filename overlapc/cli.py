@@ -1,0 +1,179 @@
+"""Command line: ahead-of-time explain and rewrite, on a fake process group (no devices).
+
+    overlapc explain MODULE:CALLABLE --world-size N [--json] [--option k=v ...] [--arg k=v ...]
+    overlapc rewrite MODULE:CALLABLE --world-size N -o DIR [--option k=v ...] [--arg k=v ...]
+
+CALLABLE is called as ``CALLABLE(mesh, **args)`` with a 1-D DeviceMesh of N ranks and
+returns ``(model, example_inputs)``. Everything runs in this one process on the fake
+process group: shapes are right, values meaningless, nothing is sent.
+
+Errors in what was typed (a MODULE:CALLABLE that does not import, a bad world size or
+option) exit with status 2 and one line on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import json
+import os
+import sys
+from typing import Any
+
+from .errors import OverlapError
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="overlapc", description="Computation-communication overlap for distributed PyTorch.")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+
+    def common(sp):
+        sp.add_argument("target", metavar="MODULE:CALLABLE",
+                        help="callable(mesh, **args) -> (model, example_inputs)")
+        sp.add_argument("--world-size", "-w", type=_world_size, required=True, help="ranks in the mesh (>= 1)")
+        sp.add_argument("--option", "-O", action="append", default=[], metavar="K=V",
+                        help="an overlapc option, e.g. chunks=4 (repeatable)")
+        sp.add_argument("--arg", "-a", action="append", default=[], metavar="K=V",
+                        help="a keyword argument for CALLABLE, e.g. n_layers=2 (repeatable)")
+
+    ex = sub.add_parser("explain", help="report every matmul-collective site and what would be done")
+    common(ex)
+    ex.add_argument("--json", action="store_true", help="print the report as JSON")
+    rw = sub.add_parser("rewrite", help="write the rewritten graphs' code and the report")
+    common(rw)
+    rw.add_argument("-o", "--out", required=True, metavar="DIR", help="output directory")
+    return p
+
+
+def _world_size(s: str) -> int:
+    try:
+        n = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {s!r}")
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {n}")
+    return n
+
+
+def _kv(items: list[str], what: str) -> dict[str, Any]:
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise UsageError(f"--{what} {item!r}: expected K=V")
+        k, v = item.split("=", 1)
+        try:
+            out[k.strip()] = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            out[k.strip()] = v  # a bare word: a string
+    return out
+
+
+def load_target(spec: str):
+    if spec.count(":") != 1:
+        raise UsageError(f"{spec!r} is not MODULE:CALLABLE (e.g. overlapc.models.llama:build_tp_sp)")
+    mod_name, attr = spec.split(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        mod = importlib.import_module(mod_name)
+    except Exception as e:  # ImportError, or an error raised while importing it
+        raise UsageError(f"cannot import module {mod_name!r}: {type(e).__name__}: {e}")
+    obj = mod
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise UsageError(f"module {mod_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise UsageError(f"{spec!r} is not callable")
+    return obj
+
+
+def fake_world(world_size: int):
+    """A fake process group of ``world_size`` ranks in this process, and its 1-D mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    return init_device_mesh("cpu", (world_size,))
+
+
+def build(args):
+    from .options import Options
+
+    opts = Options.from_user(_kv(args.option, "option"))
+    target = load_target(args.target)
+    mesh = fake_world(args.world_size)
+    try:
+        built = target(mesh, **_kv(args.arg, "arg"))
+    except TypeError as e:
+        raise UsageError(f"{args.target}(mesh, ...) failed: {e}")
+    except ValueError as e:
+        raise UsageError(f"{args.target}(mesh, ...) rejected its arguments: {e}")
+    if not (isinstance(built, tuple) and len(built) == 2):
+        raise UsageError(f"{args.target} must return (model, example_inputs); got {type(built).__name__}")
+    model, inputs = built
+    if not isinstance(inputs, (tuple, list)):
+        inputs = (inputs,)
+    return model, tuple(inputs), opts
+
+
+def cmd_explain(args) -> int:
+    from .explain import explain
+
+    model, inputs, opts = build(args)
+    report = explain(model, *inputs, options=opts)
+    print(report.to_json() if args.json else str(report))
+    return 0
+
+
+def cmd_rewrite(args) -> int:
+    from .explain import capture
+
+    model, inputs, opts = build(args)
+    report, graphs = capture(model, *inputs, options=opts)
+    os.makedirs(args.out, exist_ok=True)
+    counts: dict[str, int] = {}
+    written = []
+    for kind, gm in graphs:
+        i = counts.get(kind, 0)
+        counts[kind] = i + 1
+        path = os.path.join(args.out, f"{kind}_{i}.py")
+        with open(path, "w") as f:
+            f.write(f"# overlapc rewrite of {args.target} (world size {args.world_size}), {kind} graph {i}\n")
+            f.write(gm.print_readable(print_output=False))
+        written.append(path)
+    with open(os.path.join(args.out, "report.json"), "w") as f:
+        f.write(report.to_json())
+    with open(os.path.join(args.out, "report.txt"), "w") as f:
+        f.write(str(report) + "\n")
+    print(str(report))
+    print(f"wrote {len(written)} graphs, report.json and report.txt to {args.out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+        return {"explain": cmd_explain, "rewrite": cmd_rewrite}[args.cmd](args)
+    except (UsageError, OverlapError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"overlapc: error: {msg}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

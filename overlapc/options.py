@@ -1,0 +1,123 @@
+"""Options: one kw-only dataclass, validated on entry.
+
+Every door (``torch.compile(..., options=...)``, ``overlapc.backend(**options)``,
+``@overlapc.overlap(**options)``, ``overlapc.explain(..., options=...)`` and the CLI's
+``--option k=v``) goes through :func:`Options.from_user`, so a wrong name or value is
+the same :class:`OverlapError` everywhere, naming the option and what it allows.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from .errors import OverlapError
+
+INNER = ("inductor", "eager")
+STRATEGIES = ("auto", "decompose", "fuse", "none")
+SITE_OVERRIDABLE = ("strategy", "chunks")
+
+
+@dataclass(kw_only=True, frozen=True)
+class Options:
+    inner: str = "inductor"
+    """Compiler that runs the rewritten graphs: "inductor" or "eager" (AOTAutograd graphs run as they are)."""
+    strategy: str = "auto"
+    """How sites are rewritten: "auto" (the planner decides), "decompose", "fuse" or "none" (find and report only)."""
+    chunks: int | str = "auto"
+    """Pieces each collective is split into: "auto" or an int >= 2."""
+    min_bytes: int = 0
+    """Sites whose collective moves fewer bytes per rank than this are left alone."""
+    schedule: bool = True
+    """Reorder the graph so collectives are issued as early, and waited on as late, as dependencies allow."""
+    overrides: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Per-site options: {site-name glob: {"strategy": ..., "chunks": ...}}; the first matching glob wins."""
+    hardware: str | None = None
+    """Cost-model profile name or path to a profile file; None: the profile of this machine."""
+    timeout: float = 300.0
+    """Seconds a rewritten collective may take before it raises an error naming its site."""
+    mode: str | None = None
+    """torch.compile mode, passed to inductor ("default", "reduce-overhead", "max-autotune", ...)."""
+
+    def __post_init__(self):
+        _check_choice("inner", self.inner, INNER)
+        _check_choice("strategy", self.strategy, STRATEGIES)
+        _check_chunks("chunks", self.chunks)
+        if isinstance(self.min_bytes, bool) or not isinstance(self.min_bytes, int) or self.min_bytes < 0:
+            raise OverlapError(f"option 'min_bytes' must be an int >= 0; got {self.min_bytes!r}")
+        if not isinstance(self.schedule, bool):
+            raise OverlapError(f"option 'schedule' must be True or False; got {self.schedule!r}")
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
+            raise OverlapError(f"option 'timeout' must be a number of seconds > 0; got {self.timeout!r}")
+        if self.hardware is not None and not isinstance(self.hardware, str):
+            raise OverlapError(f"option 'hardware' must be a profile name or a file path; got {self.hardware!r}")
+        if self.mode is not None and not isinstance(self.mode, str):
+            raise OverlapError(f"option 'mode' must be a torch.compile mode string; got {self.mode!r}")
+        if not isinstance(self.overrides, Mapping):
+            raise OverlapError(
+                "option 'overrides' must be a dict {site-name glob: {option: value}}; "
+                f"got {type(self.overrides).__name__}")
+        for glob, per_site in self.overrides.items():
+            if not isinstance(glob, str) or not isinstance(per_site, Mapping):
+                raise OverlapError(
+                    f"option 'overrides' entry {glob!r}: expected a site-name glob mapped to a dict of options")
+            for k, v in per_site.items():
+                if k not in SITE_OVERRIDABLE:
+                    raise OverlapError(
+                        f"option 'overrides[{glob!r}]' sets {k!r}; per-site options allowed: "
+                        + ", ".join(SITE_OVERRIDABLE))
+                if k == "strategy":
+                    _check_choice(f"overrides[{glob!r}].strategy", v, STRATEGIES)
+                else:
+                    _check_chunks(f"overrides[{glob!r}].chunks", v)
+        # Frozen, hashable-by-content: store overrides as a plain dict copy.
+        object.__setattr__(self, "overrides", {k: dict(v) for k, v in self.overrides.items()})
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_user(cls, options: Mapping[str, Any] | "Options" | None = None, **kwargs) -> "Options":
+        """Merge a dict (or Options) with keyword options; unknown names are an OverlapError."""
+        if isinstance(options, Options):
+            base = dataclasses.asdict(options)
+        elif options is None:
+            base = {}
+        elif isinstance(options, Mapping):
+            base = dict(options)
+        else:
+            raise OverlapError(f"options must be a dict or overlapc.Options; got {type(options).__name__}")
+        base.update(kwargs)
+        allowed = cls.names()
+        for name in base:
+            if name not in allowed:
+                near = difflib.get_close_matches(str(name), allowed, n=1)
+                hint = f" (did you mean {near[0]!r}?)" if near else ""
+                raise OverlapError(f"unknown option {name!r}{hint}; allowed options: " + ", ".join(allowed))
+        return cls(**base)
+
+    def for_site(self, name: str) -> dict[str, Any]:
+        """strategy and chunks for one site, after per-site overrides (first matching glob wins)."""
+        import fnmatch
+
+        out = {"strategy": self.strategy, "chunks": self.chunks}
+        for glob, per_site in self.overrides.items():
+            if fnmatch.fnmatchcase(name, glob):
+                out.update(per_site)
+                break
+        return out
+
+
+def _check_choice(name: str, value, allowed):
+    if value not in allowed:
+        raise OverlapError(
+            f"option {name!r} must be one of " + ", ".join(repr(a) for a in allowed) + f"; got {value!r}")
+
+
+def _check_chunks(name: str, value):
+    if value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise OverlapError(f"option {name!r} must be 'auto' or an int >= 2; got {value!r}")

@@ -1,0 +1,29 @@
+"""Graph passes of overlapc: normalize -> match -> plan -> lower -> schedule.
+
+Installed as ``overlapc.passes``. Each step is a module that can be used and tested
+alone; :func:`optimize` is the pipeline.
+"""
+from __future__ import annotations
+
+from torch.fx import GraphModule
+
+from overlapc.options import Options
+from overlapc.report import Site
+
+from .match import find_sites
+from .normalize import normalize
+from .plan import plan_sites
+
+
+def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None) -> list[Site]:
+    """Run the pipeline on one captured graph in place; return its report rows in graph order."""
+    options = options or Options()
+    normalize(gm)
+    sites, loose = find_sites(gm.graph, graph_kind)
+    plan_sites(sites, options)
+    rows = [s.to_report() for s in sites] + [l.to_report() for l in loose]
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    rows.sort(key=lambda r: order.get(r.collective, 0))
+    gm.graph.lint()
+    gm.recompile()
+    return rows

@@ -1,0 +1,95 @@
+"""Matmul -> ReduceScatter sites (sequence-parallel row-parallel linears).
+
+Found::
+
+    y = mm(a, W)                        # or a sum of matmuls: dq@Wq + dk@Wk + dv@Wv
+    y3 = view(y, (B, S, N))
+    [parts = split(y3, S // W, dim=d); c = cat(parts)]   # scatters an inner dim
+    rs = reduce_scatter_tensor(c, "sum", W, group); out = wait_tensor(rs)
+
+The matmul result must feed only the reduce-scatter: if it is used elsewhere, chunking it
+would leave the full GEMM in place beside the chunked one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch.fx import Graph, Node
+
+from . import ops
+from .deps import DepGraph
+from .normalize import Dims, NoProducer, Producer, matmul_producer, split_cat_scatter
+from .sites import Loose, MatchedSite
+
+
+@dataclass(eq=False)
+class MatmulReduceScatterSite(MatchedSite):
+    pattern = "matmul_reduce_scatter"
+    scattered: Node = None
+    """The tensor whose ``scatter_dim`` is reduce-scattered (before the split + cat idiom)."""
+    scatter_dim: int = 0
+    idiom: list[Node] = field(default_factory=list)
+    """split/getitem/cat nodes of an inner-dim scatter (empty for dim 0)."""
+    reduce_op: str = "sum"
+    producer: Producer = None
+
+    @property
+    def matmuls(self):
+        return list(self.producer.matmuls)
+
+    @property
+    def dim(self):
+        return self.scatter_dim
+
+
+def collective_input(coll: Node, world: int | None) -> tuple[Node, int, list[Node], set[Node]]:
+    """(tensor, dim, idiom nodes, users allowed on the tensor) for a scatter-like collective."""
+    inp = coll.args[0]
+    inner = split_cat_scatter(inp, world) if world else None
+    if inner is None:
+        return inp, 0, [], {coll}
+    y, d = inner
+    splits = {p.args[0] for p in inp.args[0]}
+    idiom = [*splits, *inp.args[0], inp]
+    return y, d, idiom, splits
+
+
+def find_matmul_reduce_scatter_sites(graph: Graph, deps: DepGraph):
+    sites, loose = [], []
+    for node in graph.nodes:
+        if node.target is not ops.REDUCE_SCATTER:
+            continue
+        wait = ops.wait_of(node)
+        if wait is None:
+            loose.append(Loose(node, "reduce-scatter is not completed by a single wait_tensor"))
+            continue
+        world = ops.world_size(node)
+        y, dim, idiom, allowed = collective_input(node, world)
+        if idiom and len(node.args[0].users) != 1:
+            loose.append(Loose(node, f"the concatenated scatter input {node.args[0].name} has other users"))
+            continue
+        try:
+            prod = matmul_producer(y, Dims({dim}), allowed)
+        except NoProducer as e:
+            loose.append(Loose(node, str(e)))
+            continue
+        site = MatmulReduceScatterSite(
+            coll=node, wait=wait, group=ops.group_name(node), world=world, scattered=y,
+            scatter_dim=dim, idiom=idiom, reduce_op=ops.reduce_op(node), producer=prod)
+        site.details = {"producer": prod.form, "roles": _roles(prod), "reduce_op": site.reduce_op}
+        sites.append(site)
+    return sites, loose
+
+
+def _roles(prod: Producer) -> dict[str, str]:
+    """Where the scattered dim lands in each matmul's output: "rows", "cols", or "unknown"."""
+    out = {}
+    for m, d in zip(prod.matmuls, prod.dims):
+        rank = len(ops.shape(m) or [2])
+        if d is None or len(d) != 1:
+            out[m.name] = "unknown"
+        else:
+            (k,) = d
+            k -= rank - 2
+            out[m.name] = "batch" if k < 0 else "rows" if k == 0 else "cols"
+    return out

@@ -1,0 +1,148 @@
+"""The ATen and functional-collective ops the passes recognise, in one place."""
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+c10d = torch.ops._c10d_functional
+
+ALL_GATHER = c10d.all_gather_into_tensor.default
+REDUCE_SCATTER = c10d.reduce_scatter_tensor.default
+ALL_REDUCE = c10d.all_reduce.default
+ALL_TO_ALL = c10d.all_to_all_single.default
+WAIT = c10d.wait_tensor.default
+
+# Collectives the passes match, by short name.
+MATCHED_COLLECTIVES = {
+    ALL_GATHER: "all_gather_into_tensor",
+    REDUCE_SCATTER: "reduce_scatter_tensor",
+    ALL_REDUCE: "all_reduce",
+    ALL_TO_ALL: "all_to_all_single",
+}
+
+# matmul op -> (lhs arg index, rhs arg index)
+MATMULS = {
+    aten.mm.default: (0, 1),
+    aten.addmm.default: (1, 2),
+    aten.bmm.default: (0, 1),
+    aten.baddbmm.default: (1, 2),
+}
+if hasattr(aten, "_grouped_mm"):
+    MATMULS[aten._grouped_mm.default] = (0, 1)
+
+# Ops that only change how a tensor's elements are laid out or typed: matching sees through
+# them. Each takes the tensor as its first argument.
+RESHAPES = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default,
+    aten.flatten.using_ints,
+}
+PERMUTES = {aten.t.default, aten.transpose.int, aten.permute.default}
+IDENTITIES = {aten.clone.default, aten.alias.default, aten._to_copy.default,
+              prims.convert_element_type.default, aten.contiguous.default}
+LAYOUT_OPS = RESHAPES | PERMUTES | IDENTITIES
+
+ADD = aten.add.Tensor
+
+
+def is_collective(node: Node) -> bool:
+    """Any functional collective (matched or not), excluding waits."""
+    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and node.target.namespace == "_c10d_functional" and node.target is not WAIT)
+
+
+def collective_name(node: Node) -> str:
+    return MATCHED_COLLECTIVES.get(node.target) or node.target._schema.name.split("::")[-1]
+
+
+def is_matmul(node: Node) -> bool:
+    return node.op == "call_function" and node.target in MATMULS
+
+
+def is_layout(node: Node) -> bool:
+    if node.op != "call_function" or node.target not in LAYOUT_OPS:
+        return False
+    if node.target is aten._to_copy.default:
+        # Only a dtype change is transparent; a device or layout change is not.
+        return set(node.kwargs) <= {"dtype", "memory_format"}
+    return True
+
+
+def val(node) -> torch.Tensor | None:
+    v = node.meta.get("val") if isinstance(node, Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def shape(node) -> list | None:
+    v = val(node)
+    return list(v.shape) if v is not None else None
+
+
+def wait_of(coll: Node) -> Node | None:
+    """The wait_tensor that completes a collective, if it is its only user."""
+    users = list(coll.users)
+    if len(users) == 1 and users[0].target is WAIT:
+        return users[0]
+    return None
+
+
+def group_name(coll: Node) -> str | None:
+    """The process-group name argument of a functional collective."""
+    t = coll.target
+    if t is ALL_GATHER:
+        return coll.args[2]
+    if t is REDUCE_SCATTER:
+        return coll.args[3]
+    if t is ALL_REDUCE:
+        return coll.args[2]
+    if t is ALL_TO_ALL:
+        return coll.args[3]
+    for a in reversed(coll.args):
+        if isinstance(a, str):
+            return a
+    return None
+
+
+def world_size(coll: Node) -> int | None:
+    t = coll.target
+    if t is ALL_GATHER:
+        return coll.args[1] if isinstance(coll.args[1], int) else None
+    if t is REDUCE_SCATTER:
+        return coll.args[2] if isinstance(coll.args[2], int) else None
+    if t is ALL_TO_ALL:
+        splits = coll.args[1] or coll.args[2]
+        if splits:
+            return len(splits)
+    name = group_name(coll)
+    if name is None:
+        return None
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        return _resolve_process_group(name).size()
+    except Exception:
+        return None
+
+
+def reduce_op(coll: Node) -> str | None:
+    if coll.target in (REDUCE_SCATTER, ALL_REDUCE):
+        return coll.args[1]
+    return None
+
+
+def module_path(node: Node) -> str | None:
+    """Dotted path of the innermost nn.Module a node came from, as the graph recorded it."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return None
+    path, cls = list(stack.values())[-1][:2]
+    if path in ("L['self']", "L['mod']", "self", ""):
+        return getattr(cls, "__name__", None) if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1] or None
+    for prefix in ("L['self'].", "L['self']", "self.", "L['mod']."):
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+            break
+    # Dynamo spells list items and attributes as ['0'] / _modules['x'] in some versions.
+    path = path.replace("._modules['", ".").replace("['", ".").replace("']", "")
+    return path or None

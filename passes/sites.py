@@ -1,0 +1,111 @@
+"""The matched-site base class shared by every site kind, and its conversion to a report row."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from torch.fx import Node
+
+from overlapc.report import Site
+
+from . import ops
+
+
+@dataclass(eq=False)
+class MatchedSite:
+    """Nodes a site spans plus its parsed arguments. Subclasses add their own nodes."""
+    pattern: ClassVar[str] = ""
+    coll: Node
+    wait: Node
+    group: str | None
+    world: int | None
+
+    # Filled by the planner and the lowering.
+    name: str = ""
+    graph_kind: str = ""
+    status: str = "found"
+    reason: str | None = None
+    strategy: str | None = None
+    chunks: int | None = None
+    details: dict = field(default_factory=dict)
+
+    @property
+    def matmuls(self) -> list[Node]:
+        raise NotImplementedError
+
+    @property
+    def dim(self) -> int | None:
+        return None
+
+    def comm_bytes(self) -> int | None:
+        """Bytes of the collective's input on this rank."""
+        v = ops.val(self.coll.args[0])
+        if v is None:
+            return None
+        try:
+            return int(v.numel()) * v.element_size()
+        except TypeError:  # symbolic
+            return None
+
+    def module(self) -> str | None:
+        paths = [p for p in (ops.module_path(m) for m in self.matmuls) if p]
+        if not paths:
+            return ops.module_path(self.coll)
+        if len(set(paths)) == 1:
+            return paths[0]
+        common = os.path.commonprefix([p.split(".") for p in paths])
+        return ".".join(common) or paths[0]
+
+    def shapes(self) -> dict:
+        mms = []
+        for m in self.matmuls:
+            lhs, rhs = ops.MATMULS[m.target]
+            mms.append([ops.shape(m.args[lhs]), ops.shape(m.args[rhs]), ops.shape(m)])
+        return {"input": ops.shape(self.coll.args[0]), "output": ops.shape(self.coll), "matmuls": mms}
+
+    def to_report(self) -> Site:
+        v = ops.val(self.coll.args[0])
+        return Site(
+            name=self.name, pattern=self.pattern, graph=self.graph_kind, status=self.status,
+            reason=self.reason, strategy=self.strategy, chunks=self.chunks, group=self.group,
+            world_size=self.world, collective=self.coll.name, collective_op=ops.collective_name(self.coll),
+            matmuls=[m.name for m in self.matmuls], module=self.module(), dim=self.dim,
+            dtype=str(v.dtype).replace("torch.", "") if v is not None else None,
+            shapes=_plain(self.shapes()), comm_bytes=self.comm_bytes(), details=_plain(self.details),
+        )
+
+
+@dataclass(eq=False)
+class Loose:
+    """A collective that is part of no site, and why."""
+    coll: Node
+    reason: str
+    name: str = ""
+    graph_kind: str = ""
+
+    def to_report(self) -> Site:
+        v = ops.val(self.coll.args[0]) if self.coll.args and isinstance(self.coll.args[0], Node) else None
+        return Site(
+            name=self.name, pattern="collective", graph=self.graph_kind, status="skipped",
+            reason=self.reason, group=ops.group_name(self.coll), world_size=ops.world_size(self.coll),
+            collective=self.coll.name, collective_op=ops.collective_name(self.coll),
+            module=ops.module_path(self.coll),
+            dtype=str(v.dtype).replace("torch.", "") if v is not None else None,
+            shapes=_plain({"input": ops.shape(self.coll.args[0]) if v is not None else None,
+                           "output": ops.shape(self.coll)}),
+        )
+
+
+def _plain(x):
+    """Shapes may hold SymInts; the report wants ints or strings."""
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if x is None or isinstance(x, (bool, str, float)):
+        return x
+    try:
+        return int(x)
+    except (TypeError, ValueError):
+        return str(x)
