@@ -58,7 +58,9 @@ def capture(fn: Callable | torch.nn.Module, *args, options: dict | Options | Non
         state = {}
         if module is not None:
             state = {k: to_fake(v) for k, v in _state(module).items()}
-        compiled = torch.compile(fn, backend=backend)
+        # Static shapes: the report is about these inputs (automatic dynamic shapes would
+        # otherwise kick in when explain() sees a second shape of the same code).
+        compiled = torch.compile(fn, backend=backend, dynamic=False)
         with _reparametrize(module, state):
             out = compiled(*fake_args, **fake_kwargs)
             if lazy_bw is _NO_EAGER_LOWERING:

@@ -41,11 +41,7 @@ class AllGatherMatmulSite(MatchedSite):
 
     @property
     def matmuls(self):
-        out = []
-        for u in self.uses:
-            if u.matmul not in out:
-                out.append(u.matmul)
-        return out
+        return ops.in_graph_order(u.matmul for u in self.uses)
 
     @property
     def dim(self):
@@ -73,7 +69,7 @@ def find_all_gather_matmul_sites(graph: Graph, deps: DepGraph) -> tuple[list[All
         inner = split_cat_gather(wait, world) if world else None
         if inner is not None:
             gathered, dim = inner
-            sp = next(iter(wait.users))
+            sp = ops.data_users(wait)[0]
             idiom = [sp, *sp.users, gathered]
         uses, others = matmul_uses(gathered, Dims({dim}))
         if not uses:

@@ -39,11 +39,7 @@ class AllToAllMatmulSite(MatchedSite):
 
     @property
     def matmuls(self):
-        out = []
-        for u in self.uses:
-            if u.matmul not in out:
-                out.append(u.matmul)
-        return out
+        return ops.in_graph_order(u.matmul for u in self.uses)
 
     @property
     def dim(self):
@@ -57,7 +53,7 @@ class MatmulAllToAllSite(MatchedSite):
 
     @property
     def matmuls(self):
-        return list(self.producer.matmuls)
+        return ops.in_graph_order(self.producer.matmuls)
 
     @property
     def dim(self):

@@ -29,7 +29,7 @@ class MatmulAllReduceSite(MatchedSite):
 
     @property
     def matmuls(self):
-        return list(self.producer.matmuls)
+        return ops.in_graph_order(self.producer.matmuls)
 
 
 def find_matmul_all_reduce_sites(graph: Graph, deps: DepGraph):

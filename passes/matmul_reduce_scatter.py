@@ -35,7 +35,7 @@ class MatmulReduceScatterSite(MatchedSite):
 
     @property
     def matmuls(self):
-        return list(self.producer.matmuls)
+        return ops.in_graph_order(self.producer.matmuls)
 
     @property
     def dim(self):
@@ -65,7 +65,7 @@ def find_matmul_reduce_scatter_sites(graph: Graph, deps: DepGraph):
             continue
         world = ops.world_size(node)
         y, dim, idiom, allowed = collective_input(node, world)
-        if idiom and len(node.args[0].users) != 1:
+        if idiom and len(ops.data_users(node.args[0])) != 1:
             loose.append(Loose(node, f"the concatenated scatter input {node.args[0].name} has other users"))
             continue
         try:

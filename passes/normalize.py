@@ -122,7 +122,7 @@ def map_dims(node: Node, dims: Dims | None) -> Dims | None:
 
 def split_cat_gather(wait: Node, world: int) -> tuple[Node, int] | None:
     """wait -> split(dim 0, W parts) -> cat(parts in order, dim d): returns (cat, d)."""
-    users = list(wait.users)
+    users = ops.data_users(wait)
     if len(users) != 1:
         return None
     sp = users[0]
@@ -136,13 +136,13 @@ def split_cat_gather(wait: Node, world: int) -> tuple[Node, int] | None:
         return None
     if [g.args[1] for g in getitems] != list(range(world)):
         return None
-    cats = {u for g in getitems for u in g.users}
+    cats = {u for g in getitems for u in ops.data_users(g)}
     if len(cats) != 1:
         return None
     cat = cats.pop()
     if cat.target is not ops.aten.cat.default or list(cat.args[0]) != getitems:
         return None
-    if any(len(g.users) != 1 for g in getitems):
+    if any(len(ops.data_users(g)) != 1 for g in getitems):
         return None
     rank = len(ops.shape(cat) or [0])
     d = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
@@ -231,7 +231,7 @@ def matmul_uses(src: Node, dims: Dims | None, *, through_indexing: bool = False
     uses, others = [], []
 
     def walk(node: Node, dims, path):
-        for user in node.users:
+        for user in ops.data_users(node):
             if ops.is_matmul(user):
                 lhs, rhs = ops.MATMULS[user.target]
                 hit = False
@@ -264,6 +264,11 @@ class Producer:
     concatenated or placed into a packed tensor) or "concat+sum" (both)."""
     path: list[Node] = field(default_factory=list)
     """Nodes between the matmuls and the collective input (layout ops, adds, cat/stack)."""
+
+
+# Nodes a matmul producer may pass through besides layout ops (see matmul_producer).
+PRODUCER_GLUE = {ops.ADD, ops.aten.cat.default, ops.aten.stack.default,
+                 ops.aten.select_backward.default, ops.aten.slice_backward.default}
 
 
 class NoProducer(Exception):
@@ -301,10 +306,13 @@ def matmul_producer(x: Node, dims: Dims | None, consumers: set[Node]) -> Produce
     forms: set[str] = set()
 
     def up(node: Node, dims, first: bool):
-        extra = [u for u in node.users if u not in consumers] if first else \
-            (list(node.users) if len(node.users) != 1 else [])
+        if not (ops.is_matmul(node) or ops.is_layout(node) or node.target in PRODUCER_GLUE):
+            what = getattr(node.target, "__name__", str(node.target)) if node.op == "call_function" else node.op
+            raise NoProducer(f"producer is {what} ({node.name}), not a matmul")
+        users = ops.data_users(node)
+        extra = [u for u in users if u not in consumers] if first else (users if len(users) != 1 else [])
         if extra:
-            users = ", ".join(u.name for u in node.users)
+            users = ", ".join(u.name for u in users)
             raise NoProducer(f"matmul result has other users ({node.name} is used by {users})")
         if ops.is_matmul(node):
             matmuls.append(node)
@@ -336,8 +344,7 @@ def matmul_producer(x: Node, dims: Dims | None, consumers: set[Node]) -> Produce
                 up(part, None if node.target is ops.aten.stack.default or (dims and cat_dim in dims) else dims,
                    False)
             return
-        what = getattr(node.target, "__name__", str(node.target)) if node.op == "call_function" else node.op
-        raise NoProducer(f"producer is {what} ({node.name}), not a matmul")
+        raise NoProducer(f"producer is {node.target.__name__} ({node.name}), not a plain sum of matmuls")
 
     up(x, dims, True)
     form = "+".join(sorted(forms)) or "single"  # "single", "sum", "concat" or "concat+sum"

@@ -80,9 +80,18 @@ def shape(node) -> list | None:
     return list(v.shape) if v is not None else None
 
 
+META_QUERIES = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
+                aten.sym_storage_offset.default}
+
+
+def data_users(node: Node) -> list[Node]:
+    """Users that read the tensor's data: not sym_size & co. (dynamic-shape graphs query sizes)."""
+    return [u for u in node.users if u.target not in META_QUERIES]
+
+
 def wait_of(coll: Node) -> Node | None:
     """The wait_tensor that completes a collective, if it is its only user."""
-    users = list(coll.users)
+    users = data_users(coll)
     if len(users) == 1 and users[0].target is WAIT:
         return users[0]
     return None
@@ -146,3 +155,12 @@ def module_path(node: Node) -> str | None:
     # Dynamo spells list items and attributes as ['0'] / _modules['x'] in some versions.
     path = path.replace("._modules['", ".").replace("['", ".").replace("']", "")
     return path or None
+
+
+def in_graph_order(nodes) -> list[Node]:
+    """Nodes sorted by their position in their graph (duplicates dropped)."""
+    nodes = list(dict.fromkeys(nodes))
+    if len(nodes) < 2:
+        return nodes
+    pos = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
+    return sorted(nodes, key=lambda n: pos.get(n, -1))

@@ -1,0 +1,22 @@
+# The two commands of the README: `make demo` and `make test`. Each sets up first.
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+STAMP   = $(VENV)/.overlapc-setup
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	./scripts/setup.sh $(VENV)
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m overlapc.demo
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

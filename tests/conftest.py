@@ -1,0 +1,47 @@
+"""Shared fixtures: a fake process group of 8 ranks in this process, and reusable gloo worlds."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+# Tests compile many small graphs; keep each process to one intra-op thread.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def fake_mesh8():
+    """A 1-D DeviceMesh over a fake process group of world size 8 (shapes right, values meaningless)."""
+    from overlapc.cli import fake_world
+    mesh = fake_world(8)
+    yield mesh
+
+
+_WORLDS: dict[int, object] = {}
+
+
+def _world(n: int):
+    from overlapc.world import World
+    if n not in _WORLDS:
+        _WORLDS[n] = World(n, timeout=float(os.environ.get("OVERLAPC_TEST_TIMEOUT", "600")))
+    return _WORLDS[n]
+
+
+@pytest.fixture(scope="session")
+def world2():
+    w = _world(2)
+    yield w
+
+
+@pytest.fixture(scope="session")
+def world4():
+    w = _world(4)
+    yield w
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for w in _WORLDS.values():
+        w.close()
+    _WORLDS.clear()

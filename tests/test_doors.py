@@ -1,0 +1,199 @@
+"""The three doors: torch.compile backend (by name, with options, as a callable), the
+decorator (class, instance, function), explain() and the CLI; options validation."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import overlapc
+from overlapc import Options, OverlapError
+
+
+# ---------------------------------------------------------------- options
+
+def test_options_defaults_and_merge():
+    o = Options.from_user({"chunks": 4}, inner="eager")
+    assert o.chunks == 4 and o.inner == "eager" and o.strategy == "auto"
+    assert Options.from_user(o, chunks=2).chunks == 2
+
+
+@pytest.mark.parametrize("bad,needle", [
+    ({"chunk": 4}, "unknown option 'chunk' (did you mean 'chunks'?)"),
+    ({"inner": "aot"}, "option 'inner' must be one of 'inductor', 'eager'; got 'aot'"),
+    ({"strategy": "fast"}, "option 'strategy' must be one of 'auto', 'decompose', 'fuse', 'none'"),
+    ({"chunks": 1}, "option 'chunks' must be 'auto' or an int >= 2; got 1"),
+    ({"chunks": True}, "option 'chunks' must be 'auto' or an int >= 2"),
+    ({"min_bytes": -1}, "option 'min_bytes' must be an int >= 0"),
+    ({"timeout": 0}, "option 'timeout' must be a number of seconds > 0"),
+    ({"overrides": {"*wo*": {"chunk": 2}}}, "per-site options allowed: strategy, chunks"),
+    ({"overrides": {"*wo*": {"chunks": 0}}}, "option \"overrides['*wo*'].chunks\" must be 'auto' or an int >= 2"),
+])
+def test_options_errors_name_the_option(bad, needle):
+    with pytest.raises(OverlapError) as e:
+        Options.from_user(bad)
+    assert needle in str(e.value)
+
+
+def test_per_site_overrides():
+    o = Options.from_user(overrides={"forward:*wo*": {"chunks": 8}, "*": {"strategy": "none"}})
+    assert o.for_site("forward:layers.0.attention.wo:matmul_reduce_scatter") == {"strategy": "auto", "chunks": 8}
+    assert o.for_site("backward:x:all_gather_matmul") == {"strategy": "none", "chunks": "auto"}
+
+
+def test_bad_options_through_every_door():
+    with pytest.raises(OverlapError):
+        overlapc.backend(chunks=0)
+    with pytest.raises(OverlapError):
+        overlapc.overlap(inner="nope")
+    with pytest.raises(OverlapError):
+        overlapc.explain(lambda x: x, torch.ones(1), options={"bogus": 1})
+    # By name, options reach the backend only when Dynamo compiles: Dynamo wraps the error.
+    with pytest.raises(Exception, match="OverlapError: unknown option 'bogus'"):
+        torch.compile(torch.nn.Linear(2, 2), backend="overlapc", options={"bogus": 1})(torch.ones(2))
+
+
+# ---------------------------------------------------------------- registration
+
+def test_listed_as_dynamo_backend():
+    assert "overlapc" in torch._dynamo.list_backends()
+
+
+def test_decorator_rejects_non_modules():
+    with pytest.raises(OverlapError, match="only nn.Module subclasses, nn.Module instances and functions"):
+        overlapc.overlap()(int)
+    with pytest.raises(OverlapError):
+        overlapc.overlap()(42)
+
+
+# ---------------------------------------------------------------- doors in a real world
+
+def doors_job():
+    """Job: every door on a small AG -> mm -> RS program gives eager's result on this rank."""
+    import torch.nn as nn
+
+    import overlapc
+
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    w_full = torch.randn(16, 24)
+
+    def fn(x, w):
+        g = funcol.all_gather_tensor(x, gather_dim=0, group=group)
+        return funcol.reduce_scatter_tensor(g @ w, "sum", scatter_dim=0, group=group)
+
+    class Lin(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(w_full.clone())
+
+        def forward(self, x):
+            return fn(x, self.w)
+
+    torch.manual_seed(1 + dist.get_rank())
+    x = torch.randn(4, 16)
+    want = fn(x, w_full)
+    got = {}
+    got["name"] = torch.compile(fn, backend="overlapc", options={"inner": "eager"})(x, w_full)
+    be = overlapc.backend(inner="eager")
+    got["callable"] = torch.compile(fn, backend=be)(x, w_full)
+    assert be.report.by(pattern="all_gather_matmul"), be.report
+
+    @overlapc.overlap(inner="eager")
+    class DecoratedLin(Lin):
+        pass
+
+    m = DecoratedLin()
+    got["class"] = m(x)
+    assert m.overlapc_report.sites, "the decorated class compiled"
+    inst = overlapc.overlap(inner="eager")(Lin())
+    got["instance"] = inst(x)
+    assert isinstance(inst, Lin) and "w" in dict(inst.named_parameters())
+    got["function"] = overlapc.overlap(inner="eager")(fn)(x, w_full)
+    got["bare"] = overlapc.overlap(fn)  # @overlap without parentheses
+    got["bare"] = got["bare"](x, w_full)
+    for door, y in got.items():
+        torch.testing.assert_close(y, want, rtol=0, atol=0, msg=lambda m: f"door {door}: {m}")
+    return sorted(got)
+
+
+@pytest.mark.distributed
+def test_doors(world2):
+    res = world2.run(doors_job)
+    assert res[0] == sorted(["name", "callable", "class", "instance", "function", "bare"])
+
+
+def explain_on_one_rank_job():
+    """Job: explain() on rank 0 only must not issue a collective (rank 1 would never answer)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import overlapc
+    from overlapc.models import llama
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model, inputs = llama.build_tp_sp(mesh, n_layers=1, dim=64, n_heads=4, ffn_dim=128, vocab_size=64, seq=16)
+    n = 0
+    if dist.get_rank() == 0:
+        report = overlapc.explain(model, *inputs)
+        n = len(report.sites)
+        # The real parameters are untouched (explain ran on fake copies).
+        assert all(p.grad is None for p in model.parameters())
+    # Both ranks then meet in one real collective: had explain issued one, they would mismatch.
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    assert t.item() == 3.0
+    return n
+
+
+@pytest.mark.distributed
+def test_explain_runs_no_collective(world2):
+    n0, n1 = world2.run(explain_on_one_rank_job, timeout=120)
+    assert n0 > 0 and n1 == 0
+
+
+# ---------------------------------------------------------------- CLI
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "overlapc.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_explain_table_and_json():
+    p = _cli("explain", "overlapc.models.llama:build_tp_sp", "--world-size", "8", "--arg", "n_layers=1")
+    assert p.returncode == 0, p.stderr
+    assert "all_gather_matmul" in p.stdout and "matmul_reduce_scatter" in p.stdout
+    p = _cli("explain", "overlapc.models.llama:build_tp", "-w", "4", "--json", "-a", "n_layers=1")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["summary"]["forward/matmul_all_reduce"] == 2
+
+
+def test_cli_rewrite_writes_graphs(tmp_path):
+    p = _cli("rewrite", "overlapc.models.moe:build_ep", "-w", "2", "-o", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    names = sorted(f.name for f in tmp_path.iterdir())
+    assert names == ["backward_0.py", "forward_0.py", "report.json", "report.txt"]
+    assert "all_to_all_single" in (tmp_path / "forward_0.py").read_text()
+    json.loads((tmp_path / "report.json").read_text())
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["explain", "no_such_module:build", "-w", "2"], "cannot import module 'no_such_module'"),
+    (["explain", "overlapc.models.llama", "-w", "2"], "is not MODULE:CALLABLE"),
+    (["explain", "overlapc.models.llama:nope", "-w", "2"], "has no attribute 'nope'"),
+    (["explain", "overlapc.models.llama:build_tp", "-w", "zero"], "must be an integer >= 1"),
+    (["explain", "overlapc.models.llama:build_tp", "-w", "0"], "must be an integer >= 1"),
+    (["explain", "overlapc.models.llama:build_tp", "-w", "2", "-O", "chunks=1"], "option 'chunks'"),
+    (["explain", "overlapc.models.llama:build_tp", "-w", "3"], "not divisible"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_cli_errors_exit_2_with_one_line(args, needle):
+    p = _cli(*args)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("overlapc: error:"), p.stderr
+    assert needle in lines[0], lines[0]

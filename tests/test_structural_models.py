@@ -1,0 +1,130 @@
+"""Structure: which sites explain() finds in the reference models, at world size 8 (fake PG).
+
+Each expected count is derived in a comment from the model's parallel plan.
+"""
+from __future__ import annotations
+
+import pytest
+
+import overlapc
+from overlapc.models import llama, moe
+
+L = 2  # decoder layers
+
+
+def counts(report):
+    return {f"{g}/{p}": n for (g, p), n in report.counts().items()}
+
+
+@pytest.fixture(scope="module")
+def tp_sp_report(fake_mesh8):
+    model, inputs = llama.build_tp_sp(fake_mesh8, n_layers=L)
+    return overlapc.explain(model, *inputs, options={"strategy": "none"})
+
+
+@pytest.fixture(scope="module")
+def tp_report(fake_mesh8):
+    model, inputs = llama.build_tp(fake_mesh8, n_layers=L)
+    return overlapc.explain(model, *inputs, options={"strategy": "none"})
+
+
+def test_tp_sp_counts(tp_sp_report):
+    assert counts(tp_sp_report) == {
+        # per layer: AG(norm(x)) -> q/k/v (one site), AG(norm(h)) -> gate/up (one site);
+        # plus the final norm's AG -> output projection.
+        "forward/all_gather_matmul": 2 * L + 1,
+        # per layer: wo -> RS and w2 -> RS (RowwiseParallel(output_layouts=Shard(1))).
+        "forward/matmul_reduce_scatter": 2 * L,
+        # embedding -> RS (producer is an embedding lookup, not a matmul) and the output
+        # projection's mm -> AG(Replicate) (a matmul feeding an all-gather is no site kind).
+        "forward/collective": 2,
+        # per layer: the grads of the two RS are AGs, each feeding dgrad and wgrad mms.
+        "backward/all_gather_matmul": 2 * L,
+        # per layer: the grads of the two AGs are RSs of summed dgrads (dq@Wq+dk@Wk+dv@Wv,
+        # dg@W1+du@W3); plus the output projection's dgrad -> RS.
+        "backward/matmul_reduce_scatter": 2 * L + 1,
+        # the embedding's grad AG feeds embedding_dense_backward, not a matmul.
+        "backward/collective": 1,
+    }
+
+
+def test_tp_sp_shared_gathers(tp_sp_report):
+    fw = tp_sp_report.by(graph="forward", pattern="all_gather_matmul")
+    by_module = {s.module: s for s in fw}
+    # q/k/v share one all-gather; gate/up share another.
+    assert len(by_module["layers.0.attention"].matmuls) == 3
+    assert len(by_module["layers.0.feed_forward"].matmuls) == 2
+    assert len(by_module["output"].matmuls) == 1
+    for s in fw:
+        assert s.dim == 1, "sequence parallel gathers the sequence dim (1) of (batch, seq, dim)"
+        assert s.world_size == 8 and s.group is not None
+        assert all(r == "lhs:rows" for r in s.details["roles"].values())
+    rs = {s.module: s for s in tp_sp_report.by(graph="forward", pattern="matmul_reduce_scatter")}
+    assert set(rs) == {f"layers.{i}.{m}" for i in range(L) for m in ("attention.wo", "feed_forward.w2")}
+    assert all(s.dim == 1 and s.details["producer"] == "single" for s in rs.values())
+
+
+def test_tp_sp_backward_mirrors(tp_sp_report):
+    bw_ag = tp_sp_report.by(graph="backward", pattern="all_gather_matmul")
+    for s in bw_ag:
+        # The gathered output-grad feeds the input-grad mm (gathered rows -> output rows) and
+        # the weight-grad mm (gathered^T @ x: the gathered dim is contracted).
+        roles = sorted(s.details["roles"].values())
+        assert roles == ["lhs:contraction", "lhs:rows"], roles
+    summed = [s for s in tp_sp_report.by(graph="backward", pattern="matmul_reduce_scatter")
+              if s.details["producer"] == "sum"]
+    # q/k/v and gate/up dgrads per layer are sums.
+    assert sorted(len(s.matmuls) for s in summed) == [2] * L + [3] * L
+
+
+def test_tp_counts(tp_report):
+    assert counts(tp_report) == {
+        # per layer: wo -> AR and w2 -> AR (RowwiseParallel, Replicate output).
+        "forward/matmul_all_reduce": 2 * L,
+        # embedding -> AR (not a matmul) and output mm -> AG(Replicate).
+        "forward/collective": 2,
+        # per layer: DTensor all-reduces each column-parallel input grad on its own: dq@Wq,
+        # dk@Wk, dv@Wv, dg@W1, du@W3 (5 sites); plus the output projection's dgrad.
+        "backward/matmul_all_reduce": 5 * L + 1,
+    }
+
+
+@pytest.mark.parametrize("form", ["bmm", "loop"])
+def test_moe_counts(fake_mesh8, form):
+    model, inputs = moe.build_ep(fake_mesh8, expert_form=form)
+    report = overlapc.explain(model, *inputs, options={"strategy": "none"})
+    assert counts(report) == {
+        # dispatch A2A -> expert w1/w3 GEMMs; expert w2 GEMM -> combine A2A.
+        "forward/all_to_all_matmul": 1,
+        "forward/matmul_all_to_all": 1,
+        # the combine's grad A2A -> w2 dgrad/wgrad GEMMs; summed w1/w3 dgrads -> the
+        # dispatch's grad A2A.
+        "backward/all_to_all_matmul": 1,
+        "backward/matmul_all_to_all": 1,
+    }
+    fw = report.by(graph="forward", pattern="all_to_all_matmul")[0]
+    assert len(fw.matmuls) == 2  # w1 and w3 (8 experts over 8 ranks: one local expert)
+
+
+def test_inference_graph(fake_mesh8):
+    import torch
+    model, inputs = llama.build_tp_sp(fake_mesh8, n_layers=1)
+    with torch.no_grad():
+        report = overlapc.explain(model, *inputs, options={"strategy": "none"})
+    graphs = {s.graph for s in report.sites}
+    assert graphs == {"inference"}
+    assert counts(report)["inference/all_gather_matmul"] == 3
+
+
+def test_report_json_and_table(tp_sp_report):
+    import json
+    d = json.loads(tp_sp_report.to_json())
+    assert len(d["sites"]) == len(tp_sp_report.sites)
+    assert {"name", "pattern", "graph", "status", "reason", "strategy", "chunks", "group",
+            "collective", "matmuls", "shapes"} <= set(d["sites"][0])
+    table = str(tp_sp_report)
+    assert "all_gather_matmul" in table and "layers.0.attention" in table
+    names = [s.name for s in tp_sp_report.sites]
+    assert len(set(names)) == len(names), "site names are unique"
+    # every collective is reported: collective rows carry a reason
+    assert all(s.reason for s in tp_sp_report.sites if s.pattern == "collective")
