@@ -10,19 +10,29 @@ from torch.fx import GraphModule
 from overlapc.options import Options
 from overlapc.report import Site
 
+from .deps import DepGraph
+from .lower import lower_sites
 from .match import find_sites
 from .normalize import normalize
 from .plan import plan_sites
+from .schedule import legalize, schedule
 
 
 def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None) -> list[Site]:
     """Run the pipeline on one captured graph in place; return its report rows in graph order."""
     options = options or Options()
     normalize(gm)
-    sites, loose = find_sites(gm.graph, graph_kind)
-    plan_sites(sites, options)
-    rows = [s.to_report() for s in sites] + [l.to_report() for l in loose]
+    deps = DepGraph(gm.graph)
+    sites, loose = find_sites(gm.graph, graph_kind, deps)
     order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    for s in sites:
+        s.snapshot()
+    plan_sites(sites, options, deps)
+    if lower_sites(gm.graph, sites):
+        legalize(gm.graph)
+    if options.schedule:
+        schedule(gm.graph)
+    rows = [s.to_report() for s in sites] + [l.to_report() for l in loose]
     rows.sort(key=lambda r: order.get(r.collective, 0))
     gm.graph.lint()
     gm.recompile()

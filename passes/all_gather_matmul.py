@@ -14,13 +14,17 @@ summed over, as in a weight gradient gathered^T @ dy) or "cols".
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from torch.fx import Graph, Node
 
 from . import ops
+from .build import Builder, chunk_sizes, movedim_perm
 from .deps import DepGraph
-from .normalize import Dims, NoProducer, Use, matmul_producer, matmul_uses, split_cat_gather
+from .rows import static_shape
+from .normalize import (Dims, NoProducer, Use, erase_collective, matmul_producer, matmul_uses,
+                        remove_dead_nodes, split_cat_gather)
 from .sites import Loose, MatchedSite
 
 
@@ -115,3 +119,109 @@ def _op_name(n: Node) -> str:
     if n.op == "call_function":
         return getattr(n.target, "__name__", str(n.target)).split(".")[0]
     return n.op
+
+
+# ----------------------------------------------------------------------------- rewrite
+
+def row_uses(site: AllGatherMatmulSite) -> list[Use]:
+    """Consumers whose output rows follow the gathered rows: mm/addmm on a reshape of the
+    gathered tensor that keeps its last dim as the contraction dim."""
+    gshape = static_shape(site.gathered)
+    out = []
+    for u in site.uses:
+        if u.side != "lhs" or u.role != "rows" or u.matmul.target not in (ops.aten.mm.default, ops.aten.addmm.default):
+            continue
+        if not all(p.target in ops.RESHAPES or p.target in ops.IDENTITIES for p in u.path):
+            continue
+        operand = static_shape(u.matmul.args[u.arg])
+        if gshape is None or operand is None or len(operand) != 2 or operand[-1] != gshape[-1]:
+            continue
+        out.append(u)
+    return out
+
+
+def can_rewrite(site: AllGatherMatmulSite, deps: DepGraph) -> str | None:
+    """Why the site cannot be decomposed (None: it can)."""
+    why = site.check(deps)
+    if why:
+        return why
+    xshape = static_shape(site.shard)
+    if xshape is None or static_shape(site.gathered) is None:
+        return "dynamic shapes: chunk sizes would not be known at compile time"
+    if site.gather_dim == len(xshape) - 1:
+        return "gathered along the last (contraction) dim: no output rows to pipeline"
+    if xshape[site.gather_dim] < 2:
+        return f"local size {xshape[site.gather_dim]} along the gather dim is too small to chunk"
+    if not row_uses(site):
+        roles = ", ".join(f"{k}={v}" for k, v in site.details.get("roles", {}).items())
+        return f"no matmul consumes gathered rows through reshapes only ({roles})"
+    return None
+
+
+def chunk_extent(site: AllGatherMatmulSite) -> int:
+    """Size of the dim the rewrite chunks (the local shard's gather dim)."""
+    return static_shape(site.shard)[site.gather_dim]
+
+
+def rewrite_all_gather_matmul(site: AllGatherMatmulSite, chunks: int) -> None:
+    """Gather the shard in ``chunks`` pieces; each row consumer runs on a piece as it lands.
+
+    Before::
+
+        g = all_gather(x, dim=d); y = mm(reshape(g, (M, K)), W)
+
+    After (pieces c = 0..C-1 of x along d, all gathers issued before any wait)::
+
+        g_c = wait(all_gather(x[..., c, ...]))             # (W * x0_c, ...)
+        y_c = mm(reshape(movedim(g_c as (W, ...), 0, d), (-1, K)), W)
+        y   = reshape(cat([y_c as (..., W, l_c, ..., N)], dim=d + 1), (M, N))
+
+    Other users of g (weight-gradient matmuls, the saved-for-backward tensor) read g
+    rebuilt from the pieces. Output layout and values are exactly the original's.
+    """
+    graph = site.coll.graph
+    uses = row_uses(site)
+    x, d, world, group = site.shard, site.gather_dim, site.world, site.group
+    xshape = static_shape(x)
+    rank = len(xshape)
+    k = xshape[-1]
+    first = ops.in_graph_order(u.matmul for u in uses)[0]
+    b = Builder(graph, like=site.coll)
+    pieces = []  # (node of shape [*x[:d], W, l, *x[d+1:]], l)
+    with graph.inserting_before(first):
+        off = 0
+        for n in chunk_sizes(xshape[d], chunks):
+            xc = b.slice(x, d, off, off + n)
+            off += n
+            if d > 0 and math.prod(xshape[:d]) > 1:
+                xc = b.contiguous(xc)
+            wait = b.call(ops.WAIT, b.call(ops.ALL_GATHER, xc, world, group))
+            cshape = xshape[:d] + [n] + xshape[d + 1:]
+            v = b.view(wait, [world, *cshape])
+            if d > 0:
+                v = b.permute(v, movedim_perm(rank + 1, 0, d))
+            pieces.append((v, n))
+        for u in uses:
+            mm = u.matmul
+            casts = [p for p in u.path if p.target in ops.IDENTITIES and p.target is not ops.aten.clone.default]
+            outs = []
+            for v, n in pieces:
+                a = b.reshape(v, [-1, k])
+                for p in casts:
+                    a = b.call(p.target, a, *p.args[1:], **p.kwargs)
+                args = list(mm.args)
+                args[u.arg] = a
+                y = b.call(mm.target, *args, **mm.kwargs)
+                n_out = ops.shape(y)[-1]
+                outs.append(b.view(y, [*xshape[:d], world, n, *xshape[d + 1:-1], n_out]))
+            mm.replace_all_uses_with(b.reshape(b.cat(outs, d + 1), ops.shape(mm)))
+    for u in uses:  # not inside inserting_before(first): first is one of them
+        graph.erase_node(u.matmul)
+    remove_dead_nodes(graph)
+    if ops.data_users(site.gathered):
+        with graph.inserting_after(site.gathered):
+            full = b.reshape(b.cat([v for v, _ in pieces], d + 1), ops.shape(site.gathered))
+        site.gathered.replace_all_uses_with(full)
+        remove_dead_nodes(graph)
+    erase_collective(site.coll, site.wait)
+    site.details["rewritten_matmuls"] = [u.matmul.name for u in uses]

@@ -11,13 +11,16 @@ are what a rewrite chunks.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torch.fx import Graph
 
 from . import ops
+from .build import Builder, chunk_sizes
 from .deps import DepGraph
-from .normalize import Dims, NoProducer, Producer, matmul_producer
+from .normalize import Dims, NoProducer, Producer, erase_collective, matmul_producer
+from .rows import can_chunk_rows, chunk_rows, static_shape
 from .sites import Loose, MatchedSite
 
 
@@ -54,3 +57,42 @@ def find_matmul_all_reduce_sites(graph: Graph, deps: DepGraph):
         site.details = {"producer": prod.form, "reduce_op": site.reduce_op}
         sites.append(site)
     return sites, loose
+
+
+# ----------------------------------------------------------------------------- rewrite
+
+def can_rewrite(site: MatmulAllReduceSite) -> str | None:
+    why = can_chunk_rows(site.coll.args[0], site.producer)
+    if why:
+        return why
+    if chunk_extent(site) < 2:
+        return "a single output row: too small to chunk"
+    return None
+
+
+def chunk_extent(site: MatmulAllReduceSite) -> int:
+    return math.prod(static_shape(site.coll.args[0])[:-1])
+
+
+def rewrite_matmul_all_reduce(site: MatmulAllReduceSite, chunks: int) -> None:
+    """All-reduce row chunks of the matmul output while the next chunk is computed.
+
+    Before::  y = mm(a, w); out = all_reduce(view(y, shape))
+    After::   y_c = mm(a[o_c:o_c+l_c], w); r_c = all_reduce(y_c)   # each issued at once
+              out = view(cat([wait(r_c)]), shape)                 # waited on last
+    """
+    graph = site.coll.graph
+    x = site.coll.args[0]
+    shape = static_shape(x)
+    b = Builder(graph, like=site.coll)
+    waits = []
+    with graph.inserting_before(site.coll):
+        off = 0
+        for n in chunk_sizes(chunk_extent(site), chunks):
+            yc = chunk_rows(b, x, site.producer, lambda a, off=off, n=n: b.slice(a, 0, off, off + n))
+            ar = b.call(ops.ALL_REDUCE, yc, site.reduce_op, site.group)
+            waits.append(b.call(ops.WAIT, ar))
+            off += n
+        out = b.view(b.cat(waits, 0), shape)
+    site.wait.replace_all_uses_with(out)
+    erase_collective(site.coll, site.wait)

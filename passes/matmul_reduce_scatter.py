@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from torch.fx import Graph, Node
 
 from . import ops
+from .build import Builder, chunk_sizes, movedim_perm
 from .deps import DepGraph
-from .normalize import Dims, NoProducer, Producer, matmul_producer, split_cat_scatter
+from .normalize import Dims, NoProducer, Producer, erase_collective, matmul_producer, split_cat_scatter
+from .rows import can_chunk_rows, chunk_rows, static_shape
 from .sites import Loose, MatchedSite
 
 
@@ -93,3 +95,70 @@ def _roles(prod: Producer) -> dict[str, str]:
             k -= rank - 2
             out[m.name] = "batch" if k < 0 else "rows" if k == 0 else "cols"
     return out
+
+
+# ----------------------------------------------------------------------------- rewrite
+
+def can_rewrite(site: MatmulReduceScatterSite) -> str | None:
+    if site.reduce_op not in ("sum", "avg"):
+        return f"reduce op {site.reduce_op!r} is not rewritten (sum and avg are)"
+    why = can_chunk_rows(site.scattered, site.producer)
+    if why:
+        return why
+    shape = static_shape(site.scattered)
+    d = site.scatter_dim
+    if d == len(shape) - 1:
+        return "scattered along the last (output column) dim: rows cannot be pipelined"
+    if shape[d] % site.world:
+        return f"size {shape[d]} along the scatter dim is not divisible by the world size {site.world}"
+    if shape[d] // site.world < 2:
+        return f"local size {shape[d] // site.world} along the scatter dim is too small to chunk"
+    return None
+
+
+def chunk_extent(site: MatmulReduceScatterSite) -> int:
+    return static_shape(site.scattered)[site.scatter_dim] // site.world
+
+
+def rewrite_matmul_reduce_scatter(site: MatmulReduceScatterSite, chunks: int) -> None:
+    """Compute the matmul per destination-row chunk; reduce-scatter each chunk while the
+    next is computed.
+
+    Before::
+
+        y = mm(a, w) (or a sum of matmuls), as (..., S, ..., N); out = reduce_scatter(y, dim=d)
+
+    After (S = W * s; chunks c cover local rows [o_c, o_c + l_c) of every rank's block)::
+
+        a_c = reshape(a as (..., W, s, ..., K)[..., :, o_c:o_c+l_c, ...], (-1, K))
+        y_c = mm(a_c, w)                                   # rows bound for every rank
+        r_c = reduce_scatter(movedim(y_c as (..., W, l_c, ..., N), d, 0))   # issued now
+        out = cat([wait(r_c)], dim=d)                      # waited on last
+    """
+    graph = site.coll.graph
+    y, d, world = site.scattered, site.scatter_dim, site.world
+    shape = static_shape(y)
+    rank = len(shape)
+    s = shape[d] // world
+    b = Builder(graph, like=site.coll)
+    waits = []
+    with graph.inserting_before(site.coll):
+        off = 0
+        for n in chunk_sizes(s, chunks):
+            def select(a, off=off, n=n):
+                k = static_shape(a)[-1]
+                v = b.view(a, [*shape[:d], world, s, *shape[d + 1:-1], k])
+                return b.reshape(b.slice(v, d + 1, off, off + n), [-1, k])
+
+            yc = chunk_rows(b, y, site.producer, select)
+            v = b.view(yc, [*shape[:d], world, n, *shape[d + 1:]])
+            if d > 0:
+                v = b.permute(v, movedim_perm(rank + 1, d, 0))
+            cshape = shape[:d] + [n] + shape[d + 1:]
+            rs_in = b.reshape(v, [world * cshape[0], *cshape[1:]])
+            rs = b.call(ops.REDUCE_SCATTER, rs_in, site.reduce_op, world, site.group)
+            waits.append(b.call(ops.WAIT, rs))
+            off += n
+        out = b.cat(waits, d)
+    site.wait.replace_all_uses_with(out)
+    erase_collective(site.coll, site.wait)

@@ -49,6 +49,18 @@ def remove_dead_nodes(graph: Graph) -> bool:
     return changed
 
 
+def erase_collective(coll: Node, wait: Node) -> None:
+    """Erase a collective and its wait once a rewrite has replaced every use of the wait.
+
+    Also erases what only the collective used (the split + cat idiom, a contiguous copy)."""
+    graph = coll.graph
+    if wait.users:
+        raise RuntimeError(f"overlapc: {wait.name} still has users after rewriting {coll.name}")
+    graph.erase_node(wait)
+    graph.erase_node(coll)
+    remove_dead_nodes(graph)
+
+
 # ----------------------------------------------------------------------------- dim tracking
 
 def _reshape_groups(src: list, dst: list):

@@ -3,20 +3,54 @@
 The decision is a pure function of the site's shapes, the options and the hardware
 profile, so every rank reaches the same plan (a rank that planned differently would
 issue different collectives and deadlock).
+
+Until the cost model lands, ``strategy="auto"`` decomposes every site that can be
+decomposed, and ``chunks="auto"`` is a size rule: as many chunks as keep each at least
+``MIN_ROWS_PER_CHUNK`` rows along the chunked dim, at most ``MAX_AUTO_CHUNKS``.
 """
 from __future__ import annotations
 
 from overlapc.options import Options
 
+from . import lower
+from .deps import DepGraph
 from .sites import MatchedSite
 
+MAX_AUTO_CHUNKS = 8
+MIN_ROWS_PER_CHUNK = 4
 
-def plan_sites(sites: list[MatchedSite], options: Options) -> None:
+
+def auto_chunks(extent: int) -> int:
+    return max(2, min(MAX_AUTO_CHUNKS, extent // MIN_ROWS_PER_CHUNK))
+
+
+def plan_sites(sites: list[MatchedSite], options: Options, deps: DepGraph) -> None:
     for site in sites:
         per_site = options.for_site(site.name)
-        strategy = per_site["strategy"]
+        strategy, chunks = per_site["strategy"], per_site["chunks"]
+        site.status, site.reason, site.strategy, site.chunks = "skipped", None, None, None
         if strategy == "none":
-            site.status, site.strategy = "found", None
+            site.status = "found"
             continue
-        site.status = "skipped"
-        site.reason = f"no rewrite for {site.pattern} sites yet"
+        if strategy == "fuse":
+            site.reason = "strategy 'fuse': fused kernels are not available for this site kind yet"
+            continue
+        nbytes = site.comm_bytes()
+        if options.min_bytes and nbytes is not None and nbytes < options.min_bytes:
+            site.reason = f"collective moves {nbytes} B per rank, below min_bytes={options.min_bytes}"
+            continue
+        rule = lower.RULES.get(type(site))
+        if rule is None:
+            site.reason = f"no decomposition for {site.pattern} sites yet"
+            continue
+        why = rule.can_rewrite(site, deps)
+        if why:
+            site.reason = why
+            continue
+        extent = rule.extent(site)
+        n = auto_chunks(extent) if chunks == "auto" else chunks
+        if n > extent:
+            if chunks != "auto":
+                site.details["chunks_clamped"] = f"{chunks} -> {extent}: only {extent} rows to split"
+            n = extent
+        site.strategy, site.chunks, site.status = "decompose", n, "planned"

@@ -64,7 +64,17 @@ class MatchedSite:
             mms.append([ops.shape(m.args[lhs]), ops.shape(m.args[rhs]), ops.shape(m)])
         return {"input": ops.shape(self.coll.args[0]), "output": ops.shape(self.coll), "matmuls": mms}
 
+    def snapshot(self) -> None:
+        """Record the report row while the site's nodes still exist (lowering erases them)."""
+        self._row = self._make_row()
+
     def to_report(self) -> Site:
+        row = getattr(self, "_row", None) or self._make_row()
+        row.status, row.reason, row.strategy, row.chunks = self.status, self.reason, self.strategy, self.chunks
+        row.details = _plain(self.details)
+        return row
+
+    def _make_row(self) -> Site:
         v = ops.val(self.coll.args[0])
         return Site(
             name=self.name, pattern=self.pattern, graph=self.graph_kind, status=self.status,

@@ -1,11 +1,13 @@
 """Reference models compiled with backend="overlapc" equal eager, on every rank (real gloo worlds).
 
 Forward outputs and every gradient (parameters and inputs) are compared on each rank.
-Tolerances, fp32:
-- inner="eager": the compiled graphs run the same ATen ops in the same order as eager,
-  so results are equal up to 1e-6 relative (AOTAutograd may re-associate a view/add).
-- inner="inductor": inductor fuses pointwise ops and reductions (RMSNorm's mean, softmax)
-  and vectorises them, which changes summation order: 1e-4 relative, 1e-5 absolute.
+The default options rewrite every site (strategy "auto"). Tolerances, fp32:
+- inner="eager": the same ATen ops run, but chunked GEMMs have smaller M (BLAS may block
+  and vectorise them differently, and operand alignment changes), and a chunked
+  reduce-scatter/all-reduce associates the cross-rank sum of each element in another
+  order: last-bit differences, bounded here by 1e-5 relative and absolute.
+- inner="inductor": inductor also fuses pointwise ops and reductions (RMSNorm's mean,
+  softmax) and vectorises them, changing summation order: 1e-4 relative, 1e-5 absolute.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-TOL = {"eager": dict(rtol=1e-6, atol=1e-6), "inductor": dict(rtol=1e-4, atol=1e-5)}
+TOL = {"eager": dict(rtol=1e-5, atol=1e-5), "inductor": dict(rtol=1e-4, atol=1e-5)}
 
 
 def _grads(module, inputs):

@@ -1,0 +1,93 @@
+"""Building new nodes with consistent metadata.
+
+Every node a rewrite creates gets ``meta["val"]`` computed by running its op on the fake
+values of its inputs, in the graph's own fake mode: shapes, strides and dtypes stay right
+for the passes that follow (ours and inductor's). Nodes also inherit the module stack and
+stack trace of the node they stand in for, so reports and profiles still point at the
+user's code.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils import _pytree as pytree
+
+from . import ops
+
+_INHERITED = ("nn_module_stack", "fwd_nn_module_stack", "stack_trace", "source_fn_stack",
+              "seq_nr", "partitioner_tag")
+
+
+class Builder:
+    """Creates nodes before ``anchor`` (or appends), with meta["val"] and inherited provenance."""
+
+    def __init__(self, graph: Graph, like: Node | None = None):
+        self.graph = graph
+        self.like = like
+        vals = [n.meta.get("val") for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+        self.fake_mode = detect_fake_mode(vals) or FakeTensorMode(shape_env=ShapeEnv())
+        self.created: list[Node] = []
+
+    def call(self, op, *args, **kwargs) -> Node:
+        node = self.graph.call_function(op, tuple(args), kwargs)
+        node.meta["val"] = self._fake_run(op, args, kwargs)
+        if self.like is not None:
+            for k in _INHERITED:
+                if k in self.like.meta:
+                    node.meta[k] = self.like.meta[k]
+        node.meta["overlapc"] = True
+        self.created.append(node)
+        return node
+
+    def _fake_run(self, op, args, kwargs) -> Any:
+        def to_val(a):
+            if isinstance(a, Node):
+                v = a.meta.get("val")
+                if v is None:
+                    raise RuntimeError(f"overlapc: input {a.name} of a new {op} node has no meta['val']")
+                return v
+            return a
+
+        fargs, fkwargs = pytree.tree_map(to_val, (args, kwargs))
+        with self.fake_mode:
+            return op(*fargs, **fkwargs)
+
+    # -- short forms for the ops rewrites use
+    def getitem(self, node: Node, i: int) -> Node:
+        import operator
+        return self.call(operator.getitem, node, i)
+
+    def view(self, x: Node, shape) -> Node:
+        return self.call(ops.aten.view.default, x, list(shape))
+
+    def reshape(self, x: Node, shape) -> Node:
+        return self.call(ops.aten.reshape.default, x, list(shape))
+
+    def slice(self, x: Node, dim: int, start: int, end: int) -> Node:
+        return self.call(ops.aten.slice.Tensor, x, dim, start, end)
+
+    def permute(self, x: Node, perm) -> Node:
+        return self.call(ops.aten.permute.default, x, list(perm))
+
+    def contiguous(self, x: Node) -> Node:
+        return self.call(ops.aten.clone.default, x, memory_format=torch.contiguous_format)
+
+    def cat(self, xs: list[Node], dim: int) -> Node:
+        return xs[0] if len(xs) == 1 else self.call(ops.aten.cat.default, list(xs), dim)
+
+
+def chunk_sizes(n: int, chunks: int) -> list[int]:
+    """``n`` split into ``chunks`` near-equal positive parts, the larger ones first."""
+    base, extra = divmod(n, chunks)
+    return [base + (1 if i < extra else 0) for i in range(chunks)]
+
+
+def movedim_perm(rank: int, src: int, dst: int) -> list[int]:
+    order = [d for d in range(rank) if d != src]
+    order.insert(dst, src)
+    return order

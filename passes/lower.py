@@ -1,0 +1,55 @@
+"""Lower: apply the planned rewrites, one site at a time, each all-or-nothing.
+
+Each site kind registers how to check it (``can_rewrite``), how long the dim it chunks is
+(``extent``) and how to rewrite it. A site whose nodes an earlier rewrite consumed (an
+AG -> mm -> RS chain shares its matmul) is re-checked and skipped with its reason.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torch.fx import Graph
+
+from . import all_gather_matmul as agm
+from . import matmul_all_reduce as mar
+from . import matmul_reduce_scatter as mrs
+from .deps import DepGraph
+from .sites import MatchedSite
+
+
+@dataclass(frozen=True)
+class Rule:
+    can_rewrite: Callable[[MatchedSite, DepGraph], str | None]
+    extent: Callable[[MatchedSite], int]
+    rewrite: Callable[[MatchedSite, int], None]
+
+
+RULES = {
+    agm.AllGatherMatmulSite: Rule(agm.can_rewrite, agm.chunk_extent, agm.rewrite_all_gather_matmul),
+    mrs.MatmulReduceScatterSite: Rule(lambda s, deps: mrs.can_rewrite(s), mrs.chunk_extent,
+                                      mrs.rewrite_matmul_reduce_scatter),
+    mar.MatmulAllReduceSite: Rule(lambda s, deps: mar.can_rewrite(s), mar.chunk_extent,
+                                  mar.rewrite_matmul_all_reduce),
+}
+
+
+def lower_sites(graph: Graph, sites: list[MatchedSite]) -> int:
+    """Rewrite every planned site; returns how many were rewritten."""
+    done = 0
+    for site in sites:
+        if site.status != "planned":
+            continue
+        if any(n.graph is not graph or _erased(n) for n in [site.coll, site.wait, *site.matmuls]):
+            site.status, site.strategy, site.chunks = "skipped", None, None
+            site.reason = "its matmul was already rewritten as part of another site"
+            continue
+        RULES[type(site)].rewrite(site, site.chunks)
+        site.status = "rewritten"
+        done += 1
+    return done
+
+
+def _erased(node) -> bool:
+    # fx marks erased nodes by unlinking them from the graph's list.
+    return node._erased if hasattr(node, "_erased") else node.prev is node

@@ -1,0 +1,172 @@
+"""Schedule: issue collectives as early as their inputs allow, wait as late as users allow.
+
+A list scheduler over the graph's dependency DAG (networkx). Nodes are emitted in
+topological order; among the ready nodes it prefers
+
+1. collectives, and the cheap layout ops (views, slices, contiguous copies) that only
+   exist to feed one, so communication starts the moment its data exists;
+2. any other node, in its original order, so compute keeps its shape;
+3. waits (and the views that only reshape a wait's result) last, and among them the one
+   whose result is needed first.
+
+Communication then hides under whatever independent compute the graph has: the next
+chunk's GEMM in a decomposed site, or, in backward, the weight-gradient GEMMs.
+
+Nodes with side effects (in-place updates of inputs, RNG state) are barriers: nothing
+moves across them. Placeholders stay first and the output last. The result is a
+topological order of the same nodes, so the same on every rank.
+"""
+from __future__ import annotations
+
+import heapq
+import operator
+
+import networkx as nx
+from torch.fx import Graph, Node
+
+from . import ops
+
+CHEAP = ops.LAYOUT_OPS | {ops.aten.slice.Tensor, ops.aten.select.int, ops.aten.narrow.default,
+                          ops.aten.split.Tensor, ops.aten.split_with_sizes.default, operator.getitem,
+                          ops.aten.expand.default}
+
+
+def _is_barrier(node: Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if ops.is_collective(node) or node.target is ops.WAIT:
+        return False
+    return node.is_impure()
+
+
+def dependency_dag(graph: Graph) -> nx.DiGraph:
+    """Data edges plus barrier edges (everything before a barrier -> it -> everything after)."""
+    g = nx.DiGraph()
+    nodes = list(graph.nodes)
+    for n in nodes:
+        g.add_node(n)
+        for i in n.all_input_nodes:
+            g.add_edge(i, n)
+    last_barrier = None
+    seen: list[Node] = []
+    for n in nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        if last_barrier is not None:
+            g.add_edge(last_barrier, n)
+        if _is_barrier(n):
+            for m in seen:
+                g.add_edge(m, n)
+            last_barrier = n
+            seen = []
+        seen.append(n)
+    return g
+
+
+def _feeders(dag: nx.DiGraph, colls: list[Node]) -> set[Node]:
+    """Collectives plus the cheap nodes whose only purpose is to feed them."""
+    out = set(colls)
+    stack = list(colls)
+    while stack:
+        n = stack.pop()
+        for p in dag.predecessors(n):
+            if p in out or p.op != "call_function" or p.target not in CHEAP:
+                continue
+            if all(u in out for u in dag.successors(p)):
+                out.add(p)
+                stack.append(p)
+    return out
+
+
+def _waiters(dag: nx.DiGraph, waits: list[Node]) -> set[Node]:
+    """Waits plus the cheap nodes that only reshape their results."""
+    out = set(waits)
+    stack = list(waits)
+    while stack:
+        n = stack.pop()
+        for u in dag.successors(n):
+            if u in out or u.op != "call_function" or u.target not in CHEAP:
+                continue
+            if all(p in out or p.op in ("placeholder", "get_attr") for p in dag.predecessors(u)):
+                out.add(u)
+                stack.append(u)
+    return out
+
+
+def schedule(graph: Graph) -> bool:
+    """Reorder ``graph`` in place. Returns whether the order changed."""
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    colls = [n for n in nodes if ops.is_collective(n)]
+    if not colls:
+        return False
+    dag = dependency_dag(graph)
+    early = _feeders(dag, colls)
+    late = _waiters(dag, [n for n in nodes if n.target is ops.WAIT])
+    # When a late node is needed: the earliest original position of a non-late node it feeds.
+    need: dict[Node, int] = {}
+    for n in reversed(nodes):
+        if n in late:
+            need[n] = min((need[u] if u in late else pos[u] for u in dag.successors(n)), default=len(nodes))
+
+    indeg = {n: dag.in_degree(n) for n in nodes}
+    ready_early, ready_mid, ready_late = [], [], []
+
+    def push(n):
+        if n in early:
+            heapq.heappush(ready_early, (pos[n], n.name, n))
+        elif n in late:
+            heapq.heappush(ready_late, (need[n], pos[n], n.name, n))
+        else:
+            heapq.heappush(ready_mid, (pos[n], n.name, n))
+
+    for n in nodes:
+        if indeg[n] == 0:
+            push(n)
+    order: list[Node] = []
+    while ready_early or ready_mid or ready_late:
+        if ready_early:
+            n = heapq.heappop(ready_early)[-1]
+        elif ready_mid:
+            n = heapq.heappop(ready_mid)[-1]
+        else:
+            n = heapq.heappop(ready_late)[-1]
+        order.append(n)
+        for u in dag.successors(n):
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                push(u)
+    return _apply_order(graph, nodes, order)
+
+
+def legalize(graph: Graph) -> bool:
+    """Stable topological sort: restore def-before-use after rewrites inserted nodes early."""
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    dag = dependency_dag(graph)
+    indeg = {n: dag.in_degree(n) for n in nodes}
+    ready = [(pos[n], n.name, n) for n in nodes if indeg[n] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        n = heapq.heappop(ready)[-1]
+        order.append(n)
+        for u in dag.successors(n):
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(ready, (pos[u], u.name, u))
+    return _apply_order(graph, nodes, order)
+
+
+def _apply_order(graph: Graph, before: list[Node], order: list[Node]) -> bool:
+    if len(order) != len(before):
+        raise RuntimeError("overlapc: the graph has a cycle; refusing to reorder it")
+    if order == before:
+        return False
+    # Placeholders first, output last, whatever the heap chose among equals. Moving each
+    # node in turn to just before the output rebuilds the list in ``order``.
+    (out,) = [n for n in order if n.op == "output"]
+    for n in [n for n in order if n.op == "placeholder"] + [n for n in order if n.op not in ("placeholder", "output")]:
+        out.prepend(n)
+    graph.lint()
+    return True
