@@ -128,7 +128,10 @@ def _overlap_pass_class():
             self.kind = "forward"
 
         def __call__(self, graph: torch.fx.Graph) -> None:
-            _run_passes(graph.owning_module, self.kind, self.opts, self.report, self.graphs)
+            gm = graph.owning_module
+            _run_passes(gm, self.kind, self.opts, self.report, self.graphs)
+            if gm.meta.get("overlapc_changed"):
+                _keep_order_in_inductor()
 
         def uuid(self):
             return None  # never cache: the report must be rebuilt on every compile
@@ -144,7 +147,11 @@ def _compile_inductor(gm, example_inputs, opts, report, graphs):
 
     def inner_compile(g, inputs, **kw):
         pass_.kind = "backward" if kw.get("is_backward") else "inference" if kw.get("is_inference") else "forward"
-        return compile_fx_inner(g, inputs, **kw)
+        # The pass may switch scheduler settings for this graph (see _keep_order_in_inductor);
+        # restore them for the next one.
+        with inductor_config.patch({k: getattr(inductor_config, k) for k in _ORDER_SETTINGS
+                                    if hasattr(inductor_config, k)}):
+            return compile_fx_inner(g, inputs, **kw)
 
     patches = {"post_grad_custom_post_pass": pass_, "fx_graph_cache": False}
     if opts.mode and opts.mode != "default":
@@ -154,8 +161,60 @@ def _compile_inductor(gm, example_inputs, opts, report, graphs):
 
 
 def _inductor_guards(inductor_config) -> dict:
-    """inductor settings that would move overlapc's collectives or waits; see passes/schedule.py."""
-    return {}
+    """inductor's own comm reordering passes, off: overlapc places the collectives it emits."""
+    guards = {}
+    for key in ("reorder_for_compute_comm_overlap", "aten_distributed_optimizations.enable_overlap_scheduling"):
+        if key in inductor_config._config:
+            guards[key] = False
+    return guards
+
+
+# Settings _keep_order_in_inductor changes for one graph, restored after it compiles.
+_ORDER_SETTINGS = ("reorder_for_peak_memory", "_post_fusion_custom_pass")
+
+
+def _keep_order_in_inductor():
+    """Keep overlapc's comm/compute order through inductor's scheduler, for this graph.
+
+    inductor fuses kernels and then re-sorts its nodes depth-first by buffer name; a kernel
+    fused with an early node pulls its dependencies forward in that order, which can issue
+    a chunk's collective only after an earlier chunk's GEMM, or wait for every chunk before
+    the first GEMM. After fusion, the nodes are re-ordered with the same list scheduler as
+    the FX graph (collectives as soon as ready, waits as late as possible, the rest in
+    order); the peak-memory reordering that would run after it is switched off.
+    """
+    from torch._inductor import config as inductor_config
+
+    inductor_config.reorder_for_peak_memory = False
+    if not hasattr(inductor_config, "_post_fusion_custom_pass"):
+        log.info("overlapc: this inductor has no post-fusion hook; its scheduler may move comm")
+        return
+    prev = inductor_config._post_fusion_custom_pass
+
+    def hook(nodes):
+        if prev is not None:
+            nodes = prev(nodes)
+        return reorder_scheduler_nodes(nodes)
+
+    inductor_config._post_fusion_custom_pass = hook
+
+
+def reorder_scheduler_nodes(nodes: list) -> list:
+    from torch._inductor.utils import is_collective, is_wait
+
+    from overlapc.passes.schedule import list_schedule
+
+    producer = {}
+    for n in nodes:
+        for name in n.get_buffer_names():
+            producer[name] = n
+        for name in n.get_operation_names():
+            producer.setdefault(name, n)
+    preds = {n: [producer[d.name] for d in n.unmet_dependencies if d.name in producer] for n in nodes}
+    early = {n for n in nodes if getattr(n, "node", None) is not None and is_collective(n.node)
+             and not is_wait(n.node)}
+    late = {n for n in nodes if getattr(n, "node", None) is not None and is_wait(n.node)}
+    return list_schedule(nodes, preds, early, late)
 
 
 def _brief(opts: Options) -> str:

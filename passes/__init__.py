@@ -28,10 +28,12 @@ def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None) -
     for s in sites:
         s.snapshot()
     plan_sites(sites, options, deps)
-    if lower_sites(gm.graph, sites):
+    rewritten = lower_sites(gm.graph, sites)
+    if rewritten:
         legalize(gm.graph)
-    if options.schedule:
-        schedule(gm.graph)
+    reordered = options.schedule and schedule(gm.graph)
+    # Tells the inductor inner compiler to keep this order through its own scheduler.
+    gm.meta["overlapc_changed"] = bool(rewritten or reordered)
     rows = [s.to_report() for s in sites] + [l.to_report() for l in loose]
     rows.sort(key=lambda r: order.get(r.collective, 0))
     gm.graph.lint()

@@ -150,8 +150,8 @@ def can_rewrite(site: AllGatherMatmulSite, deps: DepGraph) -> str | None:
         return "dynamic shapes: chunk sizes would not be known at compile time"
     if site.gather_dim == len(xshape) - 1:
         return "gathered along the last (contraction) dim: no output rows to pipeline"
-    if xshape[site.gather_dim] < 2:
-        return f"local size {xshape[site.gather_dim]} along the gather dim is too small to chunk"
+    if chunk_extent(site) < 2:
+        return "the shard has a single row: too small to chunk"
     if not row_uses(site):
         roles = ", ".join(f"{k}={v}" for k, v in site.details.get("roles", {}).items())
         return f"no matmul consumes gathered rows through reshapes only ({roles})"
@@ -159,69 +159,80 @@ def can_rewrite(site: AllGatherMatmulSite, deps: DepGraph) -> str | None:
 
 
 def chunk_extent(site: AllGatherMatmulSite) -> int:
-    """Size of the dim the rewrite chunks (the local shard's gather dim)."""
-    return static_shape(site.shard)[site.gather_dim]
+    """Rows of the local shard (all dims but the last, flattened): what the rewrite chunks."""
+    return math.prod(static_shape(site.shard)[:-1])
 
 
 def rewrite_all_gather_matmul(site: AllGatherMatmulSite, chunks: int) -> None:
-    """Gather the shard in ``chunks`` pieces; each row consumer runs on a piece as it lands.
+    """Gather the shard in ``chunks`` row ranges; each row consumer runs on a range as it lands.
 
     Before::
 
-        g = all_gather(x, dim=d); y = mm(reshape(g, (M, K)), W)
+        g = all_gather(x, dim=d); y = mm(reshape(g, (M, K)), w)
 
-    After (pieces c = 0..C-1 of x along d, all gathers issued before any wait)::
+    After (x as R rows of K; ranges c = [o_c, o_c + n_c); every gather issued first)::
 
-        g_c = wait(all_gather(x[..., c, ...]))             # (W * x0_c, ...)
-        y_c = mm(reshape(movedim(g_c as (W, ...), 0, d), (-1, K)), W)
-        y   = reshape(cat([y_c as (..., W, l_c, ..., N)], dim=d + 1), (M, N))
+        g_c = wait(all_gather(reshape(x, (R, K))[o_c:o_c+n_c]))   # (W * n_c, K), rank-major
+        y_c = mm(g_c, w)                                         # reads the gathered buffer as is
+        y   = reshape(movedim(cat([y_c as (W, n_c, N)], 1) as (W, *x[:-1], N), 0, d), (M, N))
 
-    Other users of g (weight-gradient matmuls, the saved-for-backward tensor) read g
-    rebuilt from the pieces. Output layout and values are exactly the original's.
+    Ranges of the flattened rows are contiguous views of the shard, so nothing is copied
+    before a gather, and each GEMM reads its gathered range in place: no compiler fusion
+    can tie a GEMM, or a gather, to another range's data. The rank-major row order is
+    fixed once, in the final cat. Other users of g (weight-gradient matmuls, the
+    saved-for-backward tensor) read g rebuilt from the ranges after the GEMMs. Output
+    layout and values are exactly the original's.
     """
     graph = site.coll.graph
     uses = row_uses(site)
     x, d, world, group = site.shard, site.gather_dim, site.world, site.group
     xshape = static_shape(x)
     rank = len(xshape)
-    k = xshape[-1]
+    k, rows = xshape[-1], chunk_extent(site)
     first = ops.in_graph_order(u.matmul for u in uses)[0]
     b = Builder(graph, like=site.coll)
-    pieces = []  # (node of shape [*x[:d], W, l, *x[d+1:]], l)
+
+    def assemble(parts, last):
+        """(W, n_c, last) pieces -> the gathered layout (..., W * x_d, ..., last)."""
+        full = b.view(b.cat(parts, 1), [world, *xshape[:-1], last])
+        return b.permute(full, movedim_perm(rank + 1, 0, d)) if d > 0 else full
+
+    pieces = []  # gathered ranges as (W * n_c, K)
     with graph.inserting_before(first):
+        flat = b.reshape(x, [rows, k])
         off = 0
-        for n in chunk_sizes(xshape[d], chunks):
-            xc = b.slice(x, d, off, off + n)
+        for n in chunk_sizes(rows, chunks):
+            ag = b.call(ops.ALL_GATHER, b.slice(flat, 0, off, off + n), world, group)
+            pieces.append((b.call(ops.WAIT, ag), n))
             off += n
-            if d > 0 and math.prod(xshape[:d]) > 1:
-                xc = b.contiguous(xc)
-            wait = b.call(ops.WAIT, b.call(ops.ALL_GATHER, xc, world, group))
-            cshape = xshape[:d] + [n] + xshape[d + 1:]
-            v = b.view(wait, [world, *cshape])
-            if d > 0:
-                v = b.permute(v, movedim_perm(rank + 1, 0, d))
-            pieces.append((v, n))
+        operands: dict[tuple, list[Node]] = {}
         for u in uses:
             mm = u.matmul
             casts = [p for p in u.path if p.target in ops.IDENTITIES and p.target is not ops.aten.clone.default]
+            key = tuple((p.target, p.args[1:], tuple(p.kwargs.items())) for p in casts)
+            if key not in operands:  # one operand per range, shared by consumers with the same casts
+                operands[key] = []
+                for a, _ in pieces:
+                    for p in casts:
+                        a = b.call(p.target, a, *p.args[1:], **p.kwargs)
+                    operands[key].append(a)
             outs = []
-            for v, n in pieces:
-                a = b.reshape(v, [-1, k])
-                for p in casts:
-                    a = b.call(p.target, a, *p.args[1:], **p.kwargs)
+            for a, (_, n) in zip(operands[key], pieces):
                 args = list(mm.args)
                 args[u.arg] = a
                 y = b.call(mm.target, *args, **mm.kwargs)
-                n_out = ops.shape(y)[-1]
-                outs.append(b.view(y, [*xshape[:d], world, n, *xshape[d + 1:-1], n_out]))
-            mm.replace_all_uses_with(b.reshape(b.cat(outs, d + 1), ops.shape(mm)))
+                outs.append(b.view(y, [world, n, ops.shape(y)[-1]]))
+            mm.replace_all_uses_with(b.reshape(assemble(outs, ops.shape(mm)[-1]), ops.shape(mm)))
+        last = b.created[-1]
     for u in uses:  # not inside inserting_before(first): first is one of them
         graph.erase_node(u.matmul)
     remove_dead_nodes(graph)
     if ops.data_users(site.gathered):
-        with graph.inserting_after(site.gathered):
-            full = b.reshape(b.cat([v for v, _ in pieces], d + 1), ops.shape(site.gathered))
+        # Rebuilt after the GEMMs, not where the gather was: placed early, it would make
+        # the scheduler wait for every range before the first GEMM.
+        with graph.inserting_after(last):
+            parts = [b.view(w, [world, n, k]) for w, n in pieces]
+            full = b.reshape(assemble(parts, k), ops.shape(site.gathered))
         site.gathered.replace_all_uses_with(full)
         remove_dead_nodes(graph)
     erase_collective(site.coll, site.wait)
-    site.details["rewritten_matmuls"] = [u.matmul.name for u in uses]

@@ -12,6 +12,7 @@ would leave the full GEMM in place beside the chunked one.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from torch.fx import Graph, Node
@@ -111,54 +112,63 @@ def can_rewrite(site: MatmulReduceScatterSite) -> str | None:
         return "scattered along the last (output column) dim: rows cannot be pipelined"
     if shape[d] % site.world:
         return f"size {shape[d]} along the scatter dim is not divisible by the world size {site.world}"
-    if shape[d] // site.world < 2:
-        return f"local size {shape[d] // site.world} along the scatter dim is too small to chunk"
+    if chunk_extent(site) < 2:
+        return "a single local output row: too small to chunk"
     return None
 
 
 def chunk_extent(site: MatmulReduceScatterSite) -> int:
-    return static_shape(site.scattered)[site.scatter_dim] // site.world
+    """Rows of the local output (all dims but the last, flattened): what the rewrite chunks."""
+    return math.prod(static_shape(site.scattered)[:-1]) // site.world
 
 
 def rewrite_matmul_reduce_scatter(site: MatmulReduceScatterSite, chunks: int) -> None:
-    """Compute the matmul per destination-row chunk; reduce-scatter each chunk while the
-    next is computed.
+    """Compute the matmul per chunk of destination rows; reduce-scatter each chunk while
+    the next is computed.
 
     Before::
 
-        y = mm(a, w) (or a sum of matmuls), as (..., S, ..., N); out = reduce_scatter(y, dim=d)
+        y = mm(a, w) (or a sum of matmuls), as (.., S, .., N); out = reduce_scatter(y, dim=d)
 
-    After (S = W * s; chunks c cover local rows [o_c, o_c + l_c) of every rank's block)::
+    After (S = W * s; the local output has R rows; chunk c is its rows [o_c, o_c + n_c))::
 
-        a_c = reshape(a as (..., W, s, ..., K)[..., :, o_c:o_c+l_c, ...], (-1, K))
-        y_c = mm(a_c, w)                                   # rows bound for every rank
-        r_c = reduce_scatter(movedim(y_c as (..., W, l_c, ..., N), d, 0))   # issued now
-        out = cat([wait(r_c)], dim=d)                      # waited on last
+        a_c = reshape(movedim(a as (.., W, s, .., K), d, 0) as (W, R, K)[:, o_c:o_c+n_c], (-1, K))
+        y_c = mm(a_c, w)                    # rank-major rows: already the scatter layout
+        r_c = reduce_scatter(y_c)           # issued at once
+        out = view(cat([wait(r_c)]), out_shape)
+
+    The row reordering is a copy of the GEMM's input, made before it; the GEMM's output
+    goes to the reduce-scatter as it is, with nothing in between.
     """
     graph = site.coll.graph
     y, d, world = site.scattered, site.scatter_dim, site.world
     shape = static_shape(y)
     rank = len(shape)
-    s = shape[d] // world
+    s, rows = shape[d] // world, chunk_extent(site)
+    out_shape = shape[:d] + [s] + shape[d + 1:]
     b = Builder(graph, like=site.coll)
     waits = []
-    with graph.inserting_before(site.coll):
-        off = 0
-        for n in chunk_sizes(s, chunks):
-            def select(a, off=off, n=n):
-                k = static_shape(a)[-1]
-                v = b.view(a, [*shape[:d], world, s, *shape[d + 1:-1], k])
-                return b.reshape(b.slice(v, d + 1, off, off + n), [-1, k])
+    rank_major: dict[Node, Node] = {}  # per matmul operand: (W, R, K), made once
 
-            yc = chunk_rows(b, y, site.producer, select)
-            v = b.view(yc, [*shape[:d], world, n, *shape[d + 1:]])
+    def by_rank(a: Node) -> Node:
+        if a not in rank_major:
+            k = static_shape(a)[-1]
+            v = b.view(a, [*shape[:d], world, s, *shape[d + 1:-1], k])
             if d > 0:
                 v = b.permute(v, movedim_perm(rank + 1, d, 0))
-            cshape = shape[:d] + [n] + shape[d + 1:]
-            rs_in = b.reshape(v, [world * cshape[0], *cshape[1:]])
-            rs = b.call(ops.REDUCE_SCATTER, rs_in, site.reduce_op, world, site.group)
+            rank_major[a] = b.reshape(v, [world, rows, k])
+        return rank_major[a]
+
+    with graph.inserting_before(site.coll):
+        off = 0
+        for n in chunk_sizes(rows, chunks):
+            def select(a, off=off, n=n):
+                return b.reshape(b.slice(by_rank(a), 1, off, off + n), [world * n, static_shape(a)[-1]])
+
+            yc = chunk_rows(b, y, site.producer, select)
+            rs = b.call(ops.REDUCE_SCATTER, yc, site.reduce_op, world, site.group)
             waits.append(b.call(ops.WAIT, rs))
             off += n
-        out = b.cat(waits, d)
+        out = b.view(b.cat(waits, 0), out_shape)
     site.wait.replace_all_uses_with(out)
     erase_collective(site.coll, site.wait)

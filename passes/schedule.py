@@ -93,74 +93,76 @@ def _waiters(dag: nx.DiGraph, waits: list[Node]) -> set[Node]:
     return out
 
 
+def list_schedule(items: list, preds: dict, early: set, late: set) -> list:
+    """Topological order of ``items`` (given in their current order) that emits ``early``
+    items as soon as they are ready, ``late`` items only when nothing else is ready (the
+    one needed soonest first), and everything else in its current order.
+
+    ``preds[i]`` lists the items ``i`` depends on. Shared by the FX-level schedule and the
+    inductor scheduler-node hook (overlapc.backend), so both place comm the same way.
+    """
+    pos = {n: i for i, n in enumerate(items)}
+    succs: dict = {n: [] for n in items}
+    indeg = {}
+    for n in items:
+        ps = [p for p in dict.fromkeys(preds.get(n, ())) if p in pos and p is not n]
+        indeg[n] = len(ps)
+        for p in ps:
+            succs[p].append(n)
+    # When a late item is needed: the earliest position of a non-late item it feeds.
+    need: dict = {}
+    for n in reversed(items):
+        if n in late:
+            need[n] = min((need[u] if u in late else pos[u] for u in succs[n]), default=len(items))
+    ready_early, ready_mid, ready_late = [], [], []
+
+    def push(n):
+        if n in early:
+            heapq.heappush(ready_early, (pos[n], n))
+        elif n in late:
+            heapq.heappush(ready_late, (need[n], pos[n], n))
+        else:
+            heapq.heappush(ready_mid, (pos[n], n))
+
+    for n in items:
+        if indeg[n] == 0:
+            push(n)
+    order = []
+    while ready_early or ready_mid or ready_late:
+        q = ready_early or ready_mid or ready_late
+        n = heapq.heappop(q)[-1]
+        order.append(n)
+        for u in succs[n]:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                push(u)
+    if len(order) != len(items):
+        raise RuntimeError("overlapc: the dependency graph has a cycle; refusing to reorder it")
+    return order
+
+
 def schedule(graph: Graph) -> bool:
     """Reorder ``graph`` in place. Returns whether the order changed."""
     nodes = list(graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
     colls = [n for n in nodes if ops.is_collective(n)]
     if not colls:
         return False
     dag = dependency_dag(graph)
     early = _feeders(dag, colls)
     late = _waiters(dag, [n for n in nodes if n.target is ops.WAIT])
-    # When a late node is needed: the earliest original position of a non-late node it feeds.
-    need: dict[Node, int] = {}
-    for n in reversed(nodes):
-        if n in late:
-            need[n] = min((need[u] if u in late else pos[u] for u in dag.successors(n)), default=len(nodes))
-
-    indeg = {n: dag.in_degree(n) for n in nodes}
-    ready_early, ready_mid, ready_late = [], [], []
-
-    def push(n):
-        if n in early:
-            heapq.heappush(ready_early, (pos[n], n.name, n))
-        elif n in late:
-            heapq.heappush(ready_late, (need[n], pos[n], n.name, n))
-        else:
-            heapq.heappush(ready_mid, (pos[n], n.name, n))
-
-    for n in nodes:
-        if indeg[n] == 0:
-            push(n)
-    order: list[Node] = []
-    while ready_early or ready_mid or ready_late:
-        if ready_early:
-            n = heapq.heappop(ready_early)[-1]
-        elif ready_mid:
-            n = heapq.heappop(ready_mid)[-1]
-        else:
-            n = heapq.heappop(ready_late)[-1]
-        order.append(n)
-        for u in dag.successors(n):
-            indeg[u] -= 1
-            if indeg[u] == 0:
-                push(u)
-    return _apply_order(graph, nodes, order)
+    preds = {n: list(dag.predecessors(n)) for n in nodes}
+    return _apply_order(graph, nodes, list_schedule(nodes, preds, early, late))
 
 
 def legalize(graph: Graph) -> bool:
     """Stable topological sort: restore def-before-use after rewrites inserted nodes early."""
     nodes = list(graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
     dag = dependency_dag(graph)
-    indeg = {n: dag.in_degree(n) for n in nodes}
-    ready = [(pos[n], n.name, n) for n in nodes if indeg[n] == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        n = heapq.heappop(ready)[-1]
-        order.append(n)
-        for u in dag.successors(n):
-            indeg[u] -= 1
-            if indeg[u] == 0:
-                heapq.heappush(ready, (pos[u], u.name, u))
-    return _apply_order(graph, nodes, order)
+    preds = {n: list(dag.predecessors(n)) for n in nodes}
+    return _apply_order(graph, nodes, list_schedule(nodes, preds, set(), set()))
 
 
 def _apply_order(graph: Graph, before: list[Node], order: list[Node]) -> bool:
-    if len(order) != len(before):
-        raise RuntimeError("overlapc: the graph has a cycle; refusing to reorder it")
     if order == before:
         return False
     # Placeholders first, output last, whatever the heap chose among equals. Moving each
