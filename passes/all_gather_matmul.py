@@ -73,8 +73,7 @@ def find_all_gather_matmul_sites(graph: Graph, deps: DepGraph) -> tuple[list[All
         inner = split_cat_gather(wait, world) if world else None
         if inner is not None:
             gathered, dim = inner
-            sp = ops.data_users(wait)[0]
-            idiom = [sp, *sp.users, gathered]
+            idiom = [*ops.data_users(wait), *gathered.args[0], gathered]
         uses, others = matmul_uses(gathered, Dims({dim}))
         if not uses:
             loose.append(Loose(node, _no_consumer_reason(node, others)))
@@ -195,7 +194,11 @@ def rewrite_all_gather_matmul(site: AllGatherMatmulSite, chunks: int) -> None:
     def assemble(parts, last):
         """(W, n_c, last) pieces -> the gathered layout (..., W * x_d, ..., last)."""
         full = b.view(b.cat(parts, 1), [world, *xshape[:-1], last])
-        return b.permute(full, movedim_perm(rank + 1, 0, d)) if d > 0 else full
+        if d == 0:
+            return full
+        # Materialise: a reshape of the permuted view can itself be a (non-contiguous) view
+        # when size-1 dims are merged, and users of the original expect a contiguous tensor.
+        return b.contiguous(b.permute(full, movedim_perm(rank + 1, 0, d)))
 
     pieces = []  # gathered ranges as (W * n_c, K)
     with graph.inserting_before(first):

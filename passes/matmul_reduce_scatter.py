@@ -51,10 +51,9 @@ def collective_input(coll: Node, world: int | None) -> tuple[Node, int, list[Nod
     inner = split_cat_scatter(inp, world) if world else None
     if inner is None:
         return inp, 0, [], {coll}
-    y, d = inner
-    splits = {p.args[0] for p in inp.args[0]}
-    idiom = [*splits, *inp.args[0], inp]
-    return y, d, idiom, splits
+    y, d, feeders = inner
+    idiom = list(dict.fromkeys([*feeders, *inp.args[0], inp]))
+    return y, d, idiom, feeders
 
 
 def find_matmul_reduce_scatter_sites(graph: Graph, deps: DepGraph):

@@ -132,59 +132,71 @@ def map_dims(node: Node, dims: Dims | None) -> Dims | None:
 
 # ----------------------------------------------------------------------------- idioms
 
+def _rank_pieces(parts: list, world: int) -> tuple[Node, int, set[Node]] | None:
+    """Are ``parts`` the ``world`` equal, in-order pieces of one tensor y along one dim?
+
+    Two spellings occur: ``getitem(split(y, s, d), r)`` (one split, or one per piece) and
+    ``slice(y, d, r * s, (r + 1) * s)``. Returns (y, d, the nodes that read y directly).
+    """
+    if len(parts) != world or not all(isinstance(p, Node) for p in parts):
+        return None
+    if all(p.target is operator.getitem for p in parts):
+        splits = {p.args[0] for p in parts}
+        if any(sp.target not in (ops.aten.split.Tensor, ops.aten.split_with_sizes.default) for sp in splits):
+            return None
+        if [p.args[1] for p in parts] != list(range(world)):
+            return None
+        ys = {sp.args[0] for sp in splits}
+        dims = {sp.args[2] if len(sp.args) > 2 else sp.kwargs.get("dim", 0) for sp in splits}
+        feeders = splits
+    elif all(p.target is ops.aten.slice.Tensor for p in parts):
+        ys = {p.args[0] for p in parts}
+        dims = {p.args[1] if len(p.args) > 1 else 0 for p in parts}
+        bounds = [(p.args[2], p.args[3]) if len(p.args) > 3 else (None, None) for p in parts]
+        step = bounds[0][1] - bounds[0][0] if isinstance(bounds[0][0], int) and isinstance(bounds[0][1], int) else None
+        if step is None or bounds != [(r * step, (r + 1) * step) for r in range(world)]:
+            return None
+        if any(len(p.args) > 4 and p.args[4] != 1 for p in parts):
+            return None
+        feeders = set(parts)
+    else:
+        return None
+    if len(ys) != 1 or len(dims) != 1:
+        return None
+    y = ys.pop()
+    rank = len(ops.shape(y) or [0])
+    d = dims.pop()
+    return y, (d % rank if rank else d), feeders
+
+
 def split_cat_gather(wait: Node, world: int) -> tuple[Node, int] | None:
-    """wait -> split(dim 0, W parts) -> cat(parts in order, dim d): returns (cat, d)."""
+    """wait -> W in-order pieces along dim 0 -> cat(pieces, dim d): returns (cat, d)."""
     users = ops.data_users(wait)
-    if len(users) != 1:
-        return None
-    sp = users[0]
-    if sp.target not in (ops.aten.split.Tensor, ops.aten.split_with_sizes.default):
-        return None
-    sp_dim = sp.args[2] if len(sp.args) > 2 else sp.kwargs.get("dim", 0)
-    if sp_dim != 0:
-        return None
-    getitems = sorted(sp.users, key=lambda n: n.args[1] if n.target is operator.getitem else -1)
-    if len(getitems) != world or any(g.target is not operator.getitem for g in getitems):
-        return None
-    if [g.args[1] for g in getitems] != list(range(world)):
-        return None
-    cats = {u for g in getitems for u in ops.data_users(g)}
+    # pieces are getitems of a split of the wait, or slices of it
+    pieces = [u for f in users for u in (ops.data_users(f) if f.target in (ops.aten.split.Tensor,
+              ops.aten.split_with_sizes.default) else [f])]
+    cats = {u for p in pieces for u in ops.data_users(p)}
     if len(cats) != 1:
         return None
     cat = cats.pop()
-    if cat.target is not ops.aten.cat.default or list(cat.args[0]) != getitems:
+    if cat.target is not ops.aten.cat.default or any(len(ops.data_users(p)) != 1 for p in pieces):
         return None
-    if any(len(ops.data_users(g)) != 1 for g in getitems):
+    found = _rank_pieces(list(cat.args[0]), world)
+    if found is None or found[0] is not wait or found[1] != 0 or set(cat.args[0]) != set(pieces):
         return None
     rank = len(ops.shape(cat) or [0])
     d = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
     return cat, (d % rank if rank else d)
 
 
-def split_cat_scatter(inp: Node, world: int) -> tuple[Node, int] | None:
-    """cat(split(y, s, dim d) parts in order) feeding a reduce-scatter: returns (y, d)."""
+def split_cat_scatter(inp: Node, world: int) -> tuple[Node, int, set[Node]] | None:
+    """cat(W in-order pieces of y along dim d) feeding a reduce-scatter: (y, d, readers of y)."""
     if inp.target is not ops.aten.cat.default:
         return None
     cat_dim = inp.args[1] if len(inp.args) > 1 else inp.kwargs.get("dim", 0)
-    parts = list(inp.args[0])
-    if cat_dim != 0 or len(parts) != world:
+    if cat_dim != 0:
         return None
-    if any(p.target is not operator.getitem for p in parts):
-        return None
-    splits = {p.args[0] for p in parts}
-    # DTensor emits one split per part in some versions (split(y)[0], split(y)[1], ...):
-    ys = {s.args[0] for s in splits}
-    if len(ys) != 1 or any(s.target is not ops.aten.split.Tensor for s in splits):
-        return None
-    if [p.args[1] for p in parts] != list(range(world)):
-        return None
-    y = ys.pop()
-    dims = {s.args[2] if len(s.args) > 2 else s.kwargs.get("dim", 0) for s in splits}
-    if len(dims) != 1:
-        return None
-    rank = len(ops.shape(y) or [0])
-    d = dims.pop()
-    return y, (d % rank if rank else d)
+    return _rank_pieces(list(inp.args[0]), world)
 
 
 # ----------------------------------------------------------------------------- walkers
@@ -333,6 +345,12 @@ def matmul_producer(x: Node, dims: Dims | None, consumers: set[Node]) -> Produce
         if ops.is_layout(node):
             path.append(node)
             up(node.args[0], _inverse_map(node, dims), False)
+            return
+        if node.target is ops.ADD and node.kwargs.get("alpha", 1) == 1 \
+                and sum(isinstance(a, Node) for a in node.args[:2]) == 1:
+            # x + c (Python's sum() starts with 0 + first): acts on every row alike.
+            path.append(node)
+            up(next(a for a in node.args[:2] if isinstance(a, Node)), dims, False)
             return
         if node.target is ops.ADD and all(isinstance(a, Node) for a in node.args[:2]) \
                 and node.kwargs.get("alpha", 1) == 1 and ops.shape(node.args[0]) == ops.shape(node.args[1]):

@@ -73,7 +73,8 @@ def chunk_rows(b: Builder, root: Node, prod: Producer, select: Callable[[Node], 
             args[lhs] = select(node.args[lhs])
             out = b.call(node.target, *args, **node.kwargs)
         elif node.target is ops.ADD:
-            out = b.call(ops.ADD, ev(node.args[0]), ev(node.args[1]))
+            a, c = (ev(x) if isinstance(x, Node) else x for x in node.args[:2])
+            out = b.call(ops.ADD, a, c)
         elif node.target in ops.RESHAPES or node.target is ops.aten.clone.default:
             out = ev(node.args[0])
         else:  # dtype cast
