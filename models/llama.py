@@ -143,6 +143,8 @@ class Llama(nn.Module):
         )
 
     def forward(self, tokens):
+        if tokens.shape[1] > self.rope.shape[0]:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds LlamaConfig.max_seq_len={self.rope.shape[0]}")
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, self.rope)
@@ -219,7 +221,7 @@ def example_tokens(cfg: LlamaConfig, batch: int, seq: int, seed: int = 1):
 
 def build_tp_sp(mesh, *, batch: int = 2, seq: int = 64, **cfg_kw):
     """(model, example_inputs) for the TP+SP plan on a 1-D mesh."""
-    cfg = LlamaConfig(**cfg_kw)
+    cfg = LlamaConfig(**{"max_seq_len": max(seq, LlamaConfig.max_seq_len), **cfg_kw})
     if seq % mesh.size():
         raise ValueError(f"sequence length {seq} is not divisible by the mesh size {mesh.size()}")
     return tp_sp_plan(Llama(cfg), mesh), (example_tokens(cfg, batch, seq),)
@@ -227,5 +229,5 @@ def build_tp_sp(mesh, *, batch: int = 2, seq: int = 64, **cfg_kw):
 
 def build_tp(mesh, *, batch: int = 2, seq: int = 64, **cfg_kw):
     """(model, example_inputs) for the TP-only plan on a 1-D mesh."""
-    cfg = LlamaConfig(**cfg_kw)
+    cfg = LlamaConfig(**{"max_seq_len": max(seq, LlamaConfig.max_seq_len), **cfg_kw})
     return tp_plan(Llama(cfg), mesh), (example_tokens(cfg, batch, seq),)

@@ -9,7 +9,7 @@ Three doors, one pipeline behind them::
 
 See README.md and ../shared/DESIGN.md for how the pieces fit.
 """
-from .backend import Backend, backend, last_report, overlapc_backend, reset_report
+from .compiler import Backend, backend, last_report, overlapc_backend, reset_report
 from .decorator import overlap
 from .errors import OverlapError
 from .explain import explain

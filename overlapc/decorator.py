@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .backend import Backend
+from .compiler import Backend
 from .errors import OverlapError
 from .options import Options
 

@@ -18,7 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .backend import Backend
+from .compiler import Backend
 from .errors import OverlapError
 from .options import Options
 from .report import Report

@@ -130,7 +130,7 @@ def row_uses(site: AllGatherMatmulSite) -> list[Use]:
     for u in site.uses:
         if u.side != "lhs" or u.role != "rows" or u.matmul.target not in (ops.aten.mm.default, ops.aten.addmm.default):
             continue
-        if not all(p.target in ops.RESHAPES or p.target in ops.IDENTITIES for p in u.path):
+        if not all(p.target in ops.RESHAPES or p.target in ops.IDENTITIES or ops.is_full_slice(p) for p in u.path):
             continue
         operand = static_shape(u.matmul.args[u.arg])
         if gshape is None or operand is None or len(operand) != 2 or operand[-1] != gshape[-1]:

@@ -81,10 +81,30 @@ class Builder:
         return xs[0] if len(xs) == 1 else self.call(ops.aten.cat.default, list(xs), dim)
 
 
-def chunk_sizes(n: int, chunks: int) -> list[int]:
-    """``n`` split into ``chunks`` near-equal positive parts, the larger ones first."""
-    base, extra = divmod(n, chunks)
-    return [base + (1 if i < extra else 0) for i in range(chunks)]
+def chunk_sizes(n: int, chunks: int, taper: bool = True) -> list[int]:
+    """``n`` rows in ``chunks`` positive parts.
+
+    With ``taper`` (3 chunks or more) the first and the last part are half the size of
+    the others (weights 1, 2, ..., 2, 1). A pipeline cannot hide its first step (the
+    first chunk's transfer before any GEMM, or the first GEMM before any transfer) nor
+    its last; halving those halves what stays exposed, without more chunks.
+    """
+    if chunks < 1 or n < chunks:
+        raise ValueError(f"cannot split {n} rows into {chunks} non-empty chunks")
+    weights = [1] + [2] * (chunks - 2) + [1] if taper and chunks >= 3 else [1] * chunks
+    total = sum(weights)
+    sizes = [max(1, n * w // total) for w in weights]
+    # Hand out the remainder (or take back an excess) from the middle out.
+    order = sorted(range(chunks), key=lambda i: (-weights[i], abs(i - (chunks - 1) / 2)))
+    k = 0
+    while sum(sizes) != n:
+        i = order[k % chunks]
+        if sum(sizes) < n:
+            sizes[i] += 1
+        elif sizes[i] > 1:
+            sizes[i] -= 1
+        k += 1
+    return sizes
 
 
 def movedim_perm(rank: int, src: int, dst: int) -> list[int]:

@@ -61,7 +61,23 @@ def is_matmul(node: Node) -> bool:
     return node.op == "call_function" and node.target in MATMULS
 
 
+def is_full_slice(node: Node) -> bool:
+    """slice(x, d, 0, end >= size, 1): selects everything, a no-op (DTensor emits these)."""
+    if node.op != "call_function" or node.target is not aten.slice.Tensor:
+        return False
+    src = shape(node.args[0])
+    args = list(node.args) + [None] * (5 - len(node.args))
+    d, start, end, step = (args[1] if args[1] is not None else 0), args[2], args[3], args[4]
+    if src is None or not isinstance(d, int):
+        return False
+    size = src[d]
+    return (start in (None, 0) and (end is None or (isinstance(end, int) and isinstance(size, int) and end >= size))
+            and step in (None, 1))
+
+
 def is_layout(node: Node) -> bool:
+    if is_full_slice(node):
+        return True
     if node.op != "call_function" or node.target not in LAYOUT_OPS:
         return False
     if node.target is aten._to_copy.default:
@@ -130,6 +146,18 @@ def world_size(coll: Node) -> int | None:
     try:
         from torch.distributed.distributed_c10d import _resolve_process_group
         return _resolve_process_group(name).size()
+    except Exception:
+        return None
+
+
+def group_backend(name: str | None) -> str | None:
+    """Name of the backend ("gloo", "nccl", "fake", ...) of the process group called ``name``."""
+    if name is None:
+        return None
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        pg = _resolve_process_group(name)
+        return pg._get_backend_name() if hasattr(pg, "_get_backend_name") else str(pg.name())
     except Exception:
         return None
 

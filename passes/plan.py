@@ -16,8 +16,8 @@ from . import lower
 from .deps import DepGraph
 from .sites import MatchedSite
 
-MAX_AUTO_CHUNKS = 8
-MIN_ROWS_PER_CHUNK = 4
+MAX_AUTO_CHUNKS = 4
+MIN_ROWS_PER_CHUNK = 32
 
 
 def auto_chunks(extent: int) -> int:

@@ -45,7 +45,7 @@ def can_chunk_rows(root: Node, prod: Producer) -> str | None:
         if p.target in ops.RESHAPES:
             if (static_shape(p) or [None])[-1] != n:
                 return f"{p.name} reshapes the matmul output's last dim"
-        elif p.target in ops.IDENTITIES or p.target is ops.ADD:
+        elif p.target in ops.IDENTITIES or p.target is ops.ADD or ops.is_full_slice(p):
             continue
         else:
             return f"{p.name} ({p.target}) does not act on rows independently"
@@ -75,7 +75,7 @@ def chunk_rows(b: Builder, root: Node, prod: Producer, select: Callable[[Node], 
         elif node.target is ops.ADD:
             a, c = (ev(x) if isinstance(x, Node) else x for x in node.args[:2])
             out = b.call(ops.ADD, a, c)
-        elif node.target in ops.RESHAPES or node.target is ops.aten.clone.default:
+        elif node.target in ops.RESHAPES or node.target is ops.aten.clone.default or ops.is_full_slice(node):
             out = ev(node.args[0])
         else:  # dtype cast
             out = b.call(node.target, ev(node.args[0]), *node.args[1:], **node.kwargs)

@@ -99,7 +99,7 @@ def list_schedule(items: list, preds: dict, early: set, late: set) -> list:
     one needed soonest first), and everything else in its current order.
 
     ``preds[i]`` lists the items ``i`` depends on. Shared by the FX-level schedule and the
-    inductor scheduler-node hook (overlapc.backend), so both place comm the same way.
+    inductor scheduler-node hook (overlapc.compiler), so both place comm the same way.
     """
     pos = {n: i for i, n in enumerate(items)}
     succs: dict = {n: [] for n in items}
@@ -141,6 +141,43 @@ def list_schedule(items: list, preds: dict, early: set, late: set) -> list:
     return order
 
 
+# Backends on which at most one all-gather per group may be in flight. gloo (torch 2.13,
+# CPU) corrupts the heap when two functional all-gathers of one group are outstanding at
+# once over a slow link (reproduced with 1 and 2 gloo worker threads; one at a time never
+# fails), so each all-gather there is issued only after the previous one was waited on.
+SERIAL_ALL_GATHER_BACKENDS = ("gloo",)
+ISSUE_AFTER = "overlapc_issue_after"
+"""node.meta key: name of the wait a collective must not be issued before (a scheduling edge)."""
+
+
+def serialize_all_gathers(nodes: list[Node]) -> dict[Node, Node]:
+    """{all-gather: the previous all-gather's wait} for groups on SERIAL_ALL_GATHER_BACKENDS.
+
+    Also records the edge in node.meta[ISSUE_AFTER], for schedulers that see the graph
+    through another representation (the inductor hook in overlapc.compiler). Adding it
+    cannot create a cycle: the previous gather comes first in a topological order, so it
+    cannot depend on the next one.
+    """
+    after: dict[Node, Node] = {}
+    last_wait: dict[str, Node] = {}
+    serial: dict[str, bool] = {}
+    for n in nodes:
+        if n.target is not ops.ALL_GATHER:
+            continue
+        g = ops.group_name(n)
+        if g not in serial:
+            serial[g] = ops.group_backend(g) in SERIAL_ALL_GATHER_BACKENDS
+        if not serial[g]:
+            continue
+        if g in last_wait:
+            after[n] = last_wait[g]
+            n.meta[ISSUE_AFTER] = last_wait[g].name
+        w = ops.wait_of(n)
+        if w is not None:
+            last_wait[g] = w
+    return after
+
+
 def schedule(graph: Graph) -> bool:
     """Reorder ``graph`` in place. Returns whether the order changed."""
     nodes = list(graph.nodes)
@@ -151,6 +188,8 @@ def schedule(graph: Graph) -> bool:
     early = _feeders(dag, colls)
     late = _waiters(dag, [n for n in nodes if n.target is ops.WAIT])
     preds = {n: list(dag.predecessors(n)) for n in nodes}
+    for n, w in serialize_all_gathers(nodes).items():
+        preds[n].append(w)
     return _apply_order(graph, nodes, list_schedule(nodes, preds, early, late))
 
 

@@ -128,3 +128,12 @@ def test_report_json_and_table(tp_sp_report):
     assert len(set(names)) == len(names), "site names are unique"
     # every collective is reported: collective rows carry a reason
     assert all(s.reason for s in tp_sp_report.sites if s.pattern == "collective")
+
+
+def test_full_slices_are_seen_through(fake_mesh8):
+    """When seq == max_seq_len DTensor's redistribute adds a no-op slice after the gather
+    (slice(g, 1, 0, S)); every site must still be found and decomposed."""
+    model, inputs = llama.build_tp_sp(fake_mesh8, n_layers=1, seq=64, max_seq_len=64)
+    report = overlapc.explain(model, *inputs, options={"strategy": "decompose"})
+    assert counts(report)["forward/all_gather_matmul"] == 3
+    assert all(s.status == "rewritten" for s in report.sites if s.pattern != "collective"), str(report)

@@ -45,9 +45,11 @@ class Backend:
     """A torch.compile backend with fixed options; ``.report`` collects what it did."""
 
     def __init__(self, options: Options | None = None, report: Report | None = None,
-                 keep_graphs: bool = False):
+                 keep_graphs: bool = False, extra_passes: tuple = ()):
         self.options = options or Options()
         self.report = report if report is not None else Report()
+        self.extra_passes = tuple(extra_passes)
+        """Callables gm -> None run after overlapc's passes (benchmarks use this to strip comm)."""
         self.graphs: list[tuple[str, torch.fx.GraphModule]] | None = [] if keep_graphs else None
         """With keep_graphs: (graph kind, rewritten GraphModule) of every graph compiled."""
         self.__name__ = "overlapc"
@@ -62,7 +64,7 @@ class Backend:
             extra.update(kwargs)
         if extra:
             opts = Options.from_user(opts, **extra)
-        return compile_graph(gm, example_inputs, opts, self.report, self.graphs)
+        return compile_graph(gm, example_inputs, opts, self)
 
     def __repr__(self):
         return f"overlapc.Backend({self.options})"
@@ -79,37 +81,41 @@ def overlapc_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
     return Backend(opts, _GLOBAL_REPORT)(gm, example_inputs, **kwargs)
 
 
-def compile_graph(gm, example_inputs, opts: Options, report: Report, graphs: list | None = None):
+def compile_graph(gm, example_inputs, opts: Options, be: Backend):
     log.info("overlapc: compiling a graph of %d nodes (%s)", len(gm.graph.nodes), _brief(opts))
     from torch._functorch import config as functorch_config
 
     # A cache hit would skip the passes, and with them the report.
     with functorch_config.patch(enable_autograd_cache=False):
         if opts.inner == "eager":
-            return _compile_eager(gm, example_inputs, opts, report, graphs)
-        return _compile_inductor(gm, example_inputs, opts, report, graphs)
+            return _compile_eager(gm, example_inputs, opts, be)
+        return _compile_inductor(gm, example_inputs, opts, be)
 
 
-def _run_passes(gm, kind: str, opts: Options, report: Report, graphs: list | None):
+def _run_passes(gm, kind: str, opts: Options, be: Backend):
     from overlapc.passes import optimize
 
     sites = optimize(gm, kind, opts)
+    for p in be.extra_passes:
+        p(gm)
+    if be.extra_passes:
+        gm.recompile()
     with _GLOBAL_LOCK:
-        report.extend(sites)
-        if graphs is not None:
-            graphs.append((kind, gm))
+        be.report.extend(sites)
+        if be.graphs is not None:
+            be.graphs.append((kind, gm))
     if sites:
         from .report import format_table
         log.info("overlapc: %s graph\n%s", kind, format_table(sites))
 
 
-def _compile_eager(gm, example_inputs, opts, report, graphs):
+def _compile_eager(gm, example_inputs, opts, be):
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     def compiler(kind):
         def compile_fn(g, _inputs):
-            _run_passes(g, kind, opts, report, graphs)
+            _run_passes(g, kind, opts, be)
             return make_boxed_func(g.forward)
         return compile_fn
 
@@ -123,13 +129,13 @@ def _overlap_pass_class():
     class OverlapPass(CustomGraphPass):
         """inductor post-grad custom pass; the graph kind comes from the inner-compile call."""
 
-        def __init__(self, opts: Options, report: Report, graphs: list | None):
-            self.opts, self.report, self.graphs = opts, report, graphs
+        def __init__(self, opts: Options, be: Backend):
+            self.opts, self.be = opts, be
             self.kind = "forward"
 
         def __call__(self, graph: torch.fx.Graph) -> None:
             gm = graph.owning_module
-            _run_passes(gm, self.kind, self.opts, self.report, self.graphs)
+            _run_passes(gm, self.kind, self.opts, self.be)
             if gm.meta.get("overlapc_changed"):
                 _keep_order_in_inductor()
 
@@ -139,11 +145,11 @@ def _overlap_pass_class():
     return OverlapPass
 
 
-def _compile_inductor(gm, example_inputs, opts, report, graphs):
+def _compile_inductor(gm, example_inputs, opts, be):
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-    pass_ = _overlap_pass_class()(opts, report, graphs)
+    pass_ = _overlap_pass_class()(opts, be)
 
     def inner_compile(g, inputs, **kw):
         pass_.kind = "backward" if kw.get("is_backward") else "inference" if kw.get("is_inference") else "forward"
@@ -199,10 +205,17 @@ def _keep_order_in_inductor():
     inductor_config._post_fusion_custom_pass = hook
 
 
+def _origins(snode) -> list:
+    """FX nodes an inductor scheduler node was lowered from."""
+    ir_node = getattr(snode, "node", None)
+    origins = getattr(ir_node, "origins", None) if ir_node is not None else None
+    return list(origins or ())
+
+
 def reorder_scheduler_nodes(nodes: list) -> list:
     from torch._inductor.utils import is_collective, is_wait
 
-    from overlapc.passes.schedule import list_schedule
+    from overlapc.passes.schedule import ISSUE_AFTER, list_schedule
 
     producer = {}
     for n in nodes:
@@ -211,6 +224,16 @@ def reorder_scheduler_nodes(nodes: list) -> list:
         for name in n.get_operation_names():
             producer.setdefault(name, n)
     preds = {n: [producer[d.name] for d in n.unmet_dependencies if d.name in producer] for n in nodes}
+    # Scheduling edges the FX schedule recorded (see passes/schedule.serialize_all_gathers).
+    by_origin = {}
+    for n in nodes:
+        for o in _origins(n):
+            by_origin.setdefault(o.name, n)
+    for n in nodes:
+        for o in _origins(n):
+            after = o.meta.get(ISSUE_AFTER)
+            if after in by_origin and by_origin[after] is not n:
+                preds[n].append(by_origin[after])
     early = {n for n in nodes if getattr(n, "node", None) is not None and is_collective(n.node)
              and not is_wait(n.node)}
     late = {n for n in nodes if getattr(n, "node", None) is not None and is_wait(n.node)}

@@ -1,0 +1,221 @@
+"""Pieces every overlap benchmark shares: the three compiled variants of one model
+(baseline, overlapc, compute alone), communication alone, step timing, the timeline
+picture and the BENCHMARKS.md table.
+
+Definitions (all measured in the same run, interleaved):
+- T_base: torch.compile with overlapc's capture and the same inner compiler, strategy
+  "none" and no scheduling: the model's own collectives, each waited on at once.
+- T_overlapc: the same with overlapc's rewrites and schedule.
+- T_compute: the baseline graphs with every collective replaced by a local stand-in of
+  the same shape (a copy): what the step costs without the network.
+- T_comm: every collective of the baseline step, replayed back to back with the same
+  sizes, with no compute in between.
+- overlap efficiency E = (T_base - T_overlapc) / min(T_compute, T_comm): 1.0 means the
+  shorter of the two is completely hidden.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+
+
+# ---------------------------------------------------------------------- compute alone
+
+def strip_collectives(gm: torch.fx.GraphModule) -> None:
+    """Replace each functional collective and its wait by a local op of the same shape.
+
+    all_gather -> cat of W copies; reduce_scatter -> a copy of the first block; all_reduce
+    and all_to_all -> a copy. The copies keep the memory traffic a collective's buffers
+    cost locally; the network and the peers' work are gone.
+    """
+    from overlapc.passes import ops
+    from overlapc.passes.build import Builder
+    from overlapc.passes.normalize import remove_dead_nodes
+
+    graph = gm.graph
+    for coll in [n for n in graph.nodes if ops.is_collective(n)]:
+        wait = ops.wait_of(coll)
+        if wait is None:
+            continue
+        b = Builder(graph, like=coll)
+        x = coll.args[0]
+        with graph.inserting_before(wait):
+            if coll.target is ops.ALL_GATHER:
+                local = b.call(ops.aten.cat.default, [x] * coll.args[1])
+            elif coll.target is ops.REDUCE_SCATTER:
+                block = ops.shape(x)[0] // coll.args[2]
+                local = b.contiguous(b.slice(x, 0, 0, block))
+            elif ops.shape(coll) == ops.shape(x):
+                local = b.contiguous(x)
+            else:
+                continue
+        wait.replace_all_uses_with(local)
+        graph.erase_node(wait)
+        graph.erase_node(coll)
+    remove_dead_nodes(graph)
+    graph.lint()
+
+
+# ---------------------------------------------------------------------- comm alone
+
+def collective_calls(report, graphs=("forward", "backward", "inference")) -> list[dict]:
+    """The collectives of a compiled step, from its report (every collective is in it)."""
+    out = []
+    for s in report.sites:
+        if s.graph in graphs and s.shapes.get("input") is not None:
+            out.append({"op": s.collective_op, "shape": s.shapes["input"], "dtype": s.dtype,
+                        "group": s.group, "world": s.world_size, "reduce": s.details.get("reduce_op", "sum")})
+    return out
+
+
+def replay_comm(calls: list[dict]) -> float:
+    """Run the collectives one after another, each waited on; seconds."""
+    c10d = torch.ops._c10d_functional
+    tensors = [torch.ones(c["shape"], dtype=getattr(torch, c["dtype"])) for c in calls]
+    dist.barrier()
+    t0 = time.perf_counter()
+    for c, x in zip(calls, tensors):
+        if c["op"] == "all_gather_into_tensor":
+            y = c10d.all_gather_into_tensor(x, c["world"], c["group"])
+        elif c["op"] == "reduce_scatter_tensor":
+            y = c10d.reduce_scatter_tensor(x, "sum", c["world"], c["group"])
+        elif c["op"] == "all_reduce":
+            y = c10d.all_reduce(x, "sum", c["group"])
+        elif c["op"] == "all_to_all_single":
+            n = x.shape[0] // c["world"]
+            y = c10d.all_to_all_single(x, [n] * c["world"], [n] * c["world"], c["group"])
+        else:
+            continue
+        c10d.wait_tensor(y)
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------- timing
+
+def timed(fn) -> float:
+    """Seconds ``fn`` takes on the slowest rank, starting together."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dt = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return dt.item()
+
+
+def interleaved(steps: dict, iters: int) -> dict[str, list[float]]:
+    """Time each named step ``iters`` times, rotating their order every round."""
+    names = list(steps)
+    out = {n: [] for n in names}
+    for i in range(iters):
+        for n in names[i % len(names):] + names[:i % len(names)]:
+            out[n].append(timed(steps[n]))
+    return out
+
+
+def summary(times: dict[str, list[float]], t_comm: list[float]) -> dict:
+    med = {k: statistics.median(v) for k, v in times.items()}
+    tc = statistics.median(t_comm)
+    base, ovl, comp = med["base"], med["overlapc"], med["compute"]
+    return {
+        "t_base": base, "t_overlapc": ovl, "t_compute": comp, "t_comm": tc,
+        "speedup": base / ovl,
+        "efficiency": (base - ovl) / min(comp, tc),
+        "ideal_speedup": base / max(comp, tc),
+        "spread": {k: [min(v), max(v)] for k, v in times.items()},
+    }
+
+
+# ---------------------------------------------------------------------- outputs
+
+def write_json(name: str, data) -> str:
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, name)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+    return path
+
+
+def update_benchmarks_md(section: str, body: str) -> str:
+    """Replace (or append) the section ``## {section}`` of BENCHMARKS.md."""
+    path = os.path.join(ROOT, "BENCHMARKS.md")
+    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
+    head = f"## {section}"
+    start = text.find(head)
+    block = f"{head}\n\n{body.strip()}\n"
+    if start < 0:
+        text = text.rstrip() + "\n\n" + block
+    else:
+        end = text.find("\n## ", start + len(head))
+        text = text[:start] + block + (text[end:] if end >= 0 else "")
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def timeline_png(events: list[dict], path: str, title: str) -> str:
+    """Two lanes of one step: compute (GEMM chunks highlighted) and communication."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    t0 = min(e["start"] for e in events)
+    fig, ax = plt.subplots(figsize=(12, 2.6))
+    colors = {"gemm": "#1f77b4", "compute": "#aec7e8", "comm": "#d62728"}
+    lanes = {"comm": 1, "gemm": 0, "compute": 0}
+    for e in events:
+        lane = lanes[e["kind"]]
+        ax.broken_barh([((e["start"] - t0) * 1e3, max((e["end"] - e["start"]) * 1e3, 0.05))],
+                       (lane - 0.4, 0.8), facecolors=colors[e["kind"]], edgecolor="none")
+    ax.set_yticks([0, 1])
+    ax.set_yticklabels(["compute (dark: GEMM)", "communication"])
+    ax.set_xlabel("ms")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def profile_events(fn) -> list[dict]:
+    """Run ``fn`` under the profiler; GEMMs and other ops on the main thread, gloo's work
+    on its own threads."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    evs = []
+    main = None
+    for e in prof.events():
+        name = e.name
+        if name.startswith("gloo:"):
+            kind = "comm"
+        elif name in ("aten::mm", "aten::addmm", "aten::bmm"):
+            kind = "gemm"
+        elif name.startswith("aten::") or name.startswith("cpp_fused") or name.startswith("graph_"):
+            kind = "compute"
+        else:
+            continue
+        if kind != "comm":
+            main = main if main is not None else e.thread
+            if e.thread != main:
+                continue
+        evs.append({"name": name, "kind": kind, "start": e.time_range.start / 1e6, "end": e.time_range.end / 1e6})
+    # Keep top-level compute events only (nested aten calls overlap their parents).
+    evs.sort(key=lambda e: (e["start"], -e["end"]))
+    flat, end = [], -1.0
+    for e in evs:
+        if e["kind"] == "comm" or e["start"] >= end:
+            flat.append(e)
+            if e["kind"] != "comm":
+                end = e["end"]
+    return flat

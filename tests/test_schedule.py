@@ -1,0 +1,112 @@
+"""Where communication ends up: the FX schedule, the gloo all-gather chain, and inductor.
+
+Structural checks on a fake process group (world size 8): after a rewrite, every
+chunk's collective is issued before the GEMMs that do not need it, each wait sits right
+before the first GEMM that needs it, and inductor's generated code keeps that order.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import overlapc
+from overlapc.explain import capture
+from overlapc.passes import ops
+from overlapc.passes.schedule import ISSUE_AFTER, list_schedule, serialize_all_gathers
+
+CHUNKS = 3
+
+
+def ag_mm_rs(x, w1, w2):
+    g = funcol.all_gather_tensor(x, gather_dim=0, group=dist.group.WORLD)
+    h = torch.relu(g @ w1)
+    return funcol.reduce_scatter_tensor(h @ w2, "sum", scatter_dim=0, group=dist.group.WORLD)
+
+
+def _inputs():
+    return torch.randn(16, 32), torch.randn(32, 64), torch.randn(64, 32)
+
+
+def _order(gm, kinds):
+    return [(n.name, k) for n in gm.graph.nodes for k, pred in kinds.items() if pred(n)]
+
+
+def test_list_schedule_places_comm():
+    # a -> coll -> wait -> use ; independent compute x1, x2 in between
+    items = ["a", "x1", "coll", "x2", "wait", "use"]
+    preds = {"coll": ["a"], "wait": ["coll"], "use": ["wait", "x2"], "x2": ["x1"]}
+    order = list_schedule(items, preds, early={"coll"}, late={"wait"})
+    assert order.index("coll") < order.index("x1"), "collective issued as soon as its input exists"
+    assert order.index("wait") == order.index("use") - 1, "wait placed right before its first user"
+
+
+def test_rewritten_graph_order(fake_mesh8):
+    report, graphs = capture(ag_mm_rs, *_inputs(), options={"strategy": "decompose", "chunks": CHUNKS})
+    assert [s.status for s in report.sites] == ["rewritten", "rewritten"]
+    (_, gm), = graphs
+    seq = [n for n in gm.graph.nodes if n.op == "call_function"]
+    ags = [n for n in seq if n.target is ops.ALL_GATHER]
+    waits = [ops.wait_of(n) for n in ags]
+    mms = [n for n in seq if n.target is ops.aten.mm.default]
+    rss = [n for n in seq if n.target is ops.REDUCE_SCATTER]
+    pos = {n: i for i, n in enumerate(seq)}
+    assert len(ags) == len(rss) == CHUNKS
+    # all gathers issued before the first gathered chunk is waited on (fake PG: no chain)
+    assert max(pos[a] for a in ags) < min(pos[w] for w in waits)
+    # chunk c's GEMM follows chunk c's wait and precedes chunk c+1's wait
+    first_mms = [min((m for m in mms if w in m.all_input_nodes), key=pos.get) for w in waits]
+    for c in range(CHUNKS - 1):
+        assert pos[waits[c]] < pos[first_mms[c]] < pos[waits[c + 1]]
+    # each reduce-scatter is issued right after its chunk's GEMM, before the next chunk's GEMM
+    rs_in = [r.args[0] for r in rss]
+    for c in range(CHUNKS - 1):
+        assert pos[rss[c]] < pos[rs_in[c + 1]]
+
+
+def test_gloo_all_gathers_are_chained(fake_mesh8, monkeypatch):
+    """On gloo, a chunk's all-gather is issued only after the previous chunk was waited on."""
+    monkeypatch.setattr(ops, "group_backend", lambda name: "gloo")
+    report, graphs = capture(ag_mm_rs, *_inputs(), options={"strategy": "decompose", "chunks": CHUNKS})
+    (_, gm), = graphs
+    seq = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(seq)}
+    ags = [n for n in seq if n.target is ops.ALL_GATHER]
+    for prev, nxt in zip(ags, ags[1:]):
+        w = ops.wait_of(prev)
+        assert nxt.meta[ISSUE_AFTER] == w.name
+        assert pos[w] < pos[nxt], "the next all-gather waits for the previous one"
+        # ... but it is issued before the previous chunk's GEMM, which it overlaps
+        mm = next(u for u in w.users if u.target is ops.aten.mm.default)
+        assert pos[nxt] < pos[mm]
+    assert len(serialize_all_gathers(seq)) == CHUNKS - 1
+
+
+@pytest.mark.slow
+def test_inductor_keeps_the_overlap(fake_mesh8):
+    """inductor fuses and re-sorts kernels; the generated code must keep chunk order."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    be = overlapc.backend(strategy="decompose", chunks=CHUNKS)
+    fn = torch.compile(ag_mm_rs, backend=be)
+    _, codes = run_and_get_code(fn, *_inputs())
+    code = "\n".join(codes)
+    lines = [l.strip() for l in code.splitlines()
+             if "all_gather_into_tensor.default(" in l or "wait_tensor.default(" in l
+             or "extern_kernels.mm(" in l or "reduce_scatter_tensor.default(" in l]
+    kinds = ["ag" if "all_gather" in l else "rs" if "reduce_scatter" in l else "wait" if "wait" in l else "mm"
+             for l in lines]
+    # every gather issued up front, then: wait, GEMM(s) of that chunk, wait, GEMM(s), ...
+    assert kinds[:CHUNKS] == ["ag"] * CHUNKS, kinds
+    first_mm = kinds.index("mm")
+    assert kinds[CHUNKS:first_mm] == ["wait"], f"only chunk 0 is waited on before the first GEMM: {kinds}"
+    # reduce-scatters are issued between GEMMs, and waited on only after the last one
+    last_mm = len(kinds) - 1 - kinds[::-1].index("mm")
+    rs_pos = [i for i, k in enumerate(kinds) if k == "rs"]
+    assert len(rs_pos) == CHUNKS and rs_pos[0] < last_mm, kinds
+    assert all(k == "wait" for k in kinds[last_mm + 1:] if k != "rs"), kinds
+    assert re.search(r"reduce_scatter_tensor\.default\(", code)
