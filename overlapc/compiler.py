@@ -237,7 +237,7 @@ def reorder_scheduler_nodes(nodes: list) -> list:
     early = {n for n in nodes if getattr(n, "node", None) is not None and is_collective(n.node)
              and not is_wait(n.node)}
     late = {n for n in nodes if getattr(n, "node", None) is not None and is_wait(n.node)}
-    return list_schedule(nodes, preds, early, late)
+    return list_schedule(nodes, preds, early, late, collectives=early)
 
 
 def _brief(opts: Options) -> str:

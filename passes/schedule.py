@@ -5,7 +5,9 @@ topological order; among the ready nodes it prefers
 
 1. collectives, and the cheap layout ops (views, slices, contiguous copies) that only
    exist to feed one, so communication starts the moment its data exists;
-2. any other node, in its original order, so compute keeps its shape;
+2. any other node: first the compute that leads to the earliest collective (so the
+   communication it feeds can start), then compute that feeds none, deferred at most to
+   the next collective it preceded (bounded memory), otherwise in the original order;
 3. waits (and the views that only reshape a wait's result) last, and among them the one
    whose result is needed first.
 
@@ -93,10 +95,17 @@ def _waiters(dag: nx.DiGraph, waits: list[Node]) -> set[Node]:
     return out
 
 
-def list_schedule(items: list, preds: dict, early: set, late: set) -> list:
+def list_schedule(items: list, preds: dict, early: set, late: set, collectives: set | None = None) -> list:
     """Topological order of ``items`` (given in their current order) that emits ``early``
     items as soon as they are ready, ``late`` items only when nothing else is ready (the
     one needed soonest first), and everything else in its current order.
+
+    Given ``collectives``, among the other ready items those that lead to the earliest
+    collective go first: compute that unblocks communication runs before compute that
+    does not (in backward: input-gradient GEMMs, whose results are reduce-scattered,
+    before weight-gradient GEMMs, which then run while the reduce-scatter is on the wire).
+    Compute that feeds no collective is deferred at most to the next collective it
+    preceded, never to the end of the graph.
 
     ``preds[i]`` lists the items ``i`` depends on. Shared by the FX-level schedule and the
     inductor scheduler-node hook (overlapc.compiler), so both place comm the same way.
@@ -109,6 +118,23 @@ def list_schedule(items: list, preds: dict, early: set, late: set) -> list:
         indeg[n] = len(ps)
         for p in ps:
             succs[p].append(n)
+    key = {n: (pos[n], 0) for n in items}
+    if collectives:
+        # first[n]: position of the first collective n (transitively) feeds; items are in
+        # a topological order, so one reverse pass suffices. An item that feeds none is
+        # keyed by the next collective after it in the current order, behind that
+        # collective's feeders: it may yield to comm-feeding compute, but only up to the
+        # collective it already preceded, so (say) a weight-gradient GEMM is deferred past
+        # its own layer's input-gradient GEMMs and no further (activation memory stays
+        # bounded by one layer).
+        inf = len(items)
+        first, nxt = {}, inf
+        for n in reversed(items):
+            if n in collectives:
+                nxt = pos[n]
+            f = min([pos[n] if n in collectives else inf] + [first[u] for u in succs[n]])
+            first[n] = f
+            key[n] = (f, 0) if f < inf else (nxt, 1)
     # When a late item is needed: the earliest position of a non-late item it feeds.
     need: dict = {}
     for n in reversed(items):
@@ -122,7 +148,7 @@ def list_schedule(items: list, preds: dict, early: set, late: set) -> list:
         elif n in late:
             heapq.heappush(ready_late, (need[n], pos[n], n))
         else:
-            heapq.heappush(ready_mid, (pos[n], n))
+            heapq.heappush(ready_mid, (*key[n], pos[n], n))
 
     for n in items:
         if indeg[n] == 0:
@@ -190,7 +216,7 @@ def schedule(graph: Graph) -> bool:
     preds = {n: list(dag.predecessors(n)) for n in nodes}
     for n, w in serialize_all_gathers(nodes).items():
         preds[n].append(w)
-    return _apply_order(graph, nodes, list_schedule(nodes, preds, early, late))
+    return _apply_order(graph, nodes, list_schedule(nodes, preds, early, late, collectives=set(colls)))
 
 
 def legalize(graph: Graph) -> bool:
@@ -204,10 +230,10 @@ def legalize(graph: Graph) -> bool:
 def _apply_order(graph: Graph, before: list[Node], order: list[Node]) -> bool:
     if order == before:
         return False
-    # Placeholders first, output last, whatever the heap chose among equals. Moving each
-    # node in turn to just before the output rebuilds the list in ``order``.
+    # Placeholders first and in their original order (it is the graph's signature), the
+    # output last. Moving each node in turn to just before the output rebuilds the list.
     (out,) = [n for n in order if n.op == "output"]
-    for n in [n for n in order if n.op == "placeholder"] + [n for n in order if n.op not in ("placeholder", "output")]:
+    for n in [n for n in before if n.op == "placeholder"] + [n for n in order if n.op not in ("placeholder", "output")]:
         out.prepend(n)
     graph.lint()
     return True

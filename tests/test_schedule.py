@@ -44,6 +44,42 @@ def test_list_schedule_places_comm():
     assert order.index("wait") == order.index("use") - 1, "wait placed right before its first user"
 
 
+def test_list_schedule_comm_first_is_bounded():
+    # Two backward layers, each: wgrad (feeds no collective) listed before dgrad -> rs.
+    # Layer 1's dgrad feeds layer 0's compute. Comm-first runs dgrad before wgrad so the
+    # reduce-scatter is on the wire during wgrad; wgrad1 must not slide past layer 0.
+    items = ["g1", "wgrad1", "dgrad1", "rs1", "wait1", "wgrad0", "dgrad0", "rs0", "wait0", "out"]
+    preds = {"wgrad1": ["g1"], "dgrad1": ["g1"], "rs1": ["dgrad1"], "wait1": ["rs1"],
+             "wgrad0": ["dgrad1"], "dgrad0": ["dgrad1"], "rs0": ["dgrad0"], "wait0": ["rs0"],
+             "out": ["wait1", "wait0", "wgrad1", "wgrad0"]}
+    early, late = {"rs1", "rs0"}, {"wait1", "wait0"}
+    plain = list_schedule(items, preds, early, late)
+    assert plain.index("wgrad1") < plain.index("dgrad1"), "without collectives: original order"
+    order = list_schedule(items, preds, early, late, collectives=early)
+    assert order.index("dgrad1") < order.index("rs1") < order.index("wgrad1"), order
+    assert order.index("wgrad1") < order.index("dgrad0"), "deferral bounded to the next collective"
+    assert order.index("dgrad0") < order.index("rs0") < order.index("wgrad0"), order
+
+
+def test_schedule_keeps_the_signature(fake_mesh8):
+    # The second input feeds the collective, the first does not: comm-first ranks the
+    # second placeholder first, but placeholders are the graph's signature.
+    from torch.fx import Graph
+
+    from overlapc.passes.schedule import schedule
+
+    g = Graph()
+    w, x = g.placeholder("w"), g.placeholder("x")
+    r = g.call_function(ops.aten.relu.default, (w,))
+    ag = g.call_function(ops.ALL_GATHER, (x, 8, dist.group.WORLD.group_name))
+    y = g.call_function(ops.aten.add.Tensor, (r, g.call_function(ops.WAIT, (ag,))))
+    g.output(y)
+    assert schedule(g), "the collective moves ahead of relu"
+    nodes = list(g.nodes)
+    assert [n.name for n in nodes if n.op == "placeholder"] == ["w", "x"]
+    assert nodes.index(ag) < nodes.index(r)
+
+
 def test_rewritten_graph_order(fake_mesh8):
     report, graphs = capture(ag_mm_rs, *_inputs(), options={"strategy": "decompose", "chunks": CHUNKS})
     assert [s.status for s in report.sites] == ["rewritten", "rewritten"]
