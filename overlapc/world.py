@@ -146,9 +146,9 @@ class World:
     # ------------------------------------------------------------------ jobs
     def run(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; per-rank results, rank order."""
+        ref = _fn_ref(fn)
         self.start()
         timeout = self.timeout if timeout is None else timeout
-        ref = _fn_ref(fn)
         name = ".".join(ref)
         payload = pickle.dumps((ref, args, kwargs))
         for c in self._conns:
