@@ -4,9 +4,12 @@ The decision is a pure function of the site's shapes, the options and the hardwa
 profile, so every rank reaches the same plan (a rank that planned differently would
 issue different collectives and deadlock).
 
-Until the cost model lands, ``strategy="auto"`` decomposes every site that can be
-decomposed, and ``chunks="auto"`` is a size rule: as many chunks as keep each at least
-``MIN_ROWS_PER_CHUNK`` rows along the chunked dim, at most ``MAX_AUTO_CHUNKS``.
+Until the cost model lands, ``strategy="auto"`` is a size rule: it decomposes a site when
+its collective moves at least ``AUTO_MIN_BYTES`` per rank (below that, the latency each
+extra collective adds costs more than overlap can hide: about 1 ms per gloo collective
+measured on the emulated cluster, see BENCHMARKS.md), and ``chunks="auto"`` takes as many
+chunks as keep each at least ``MIN_ROWS_PER_CHUNK`` rows, at most ``MAX_AUTO_CHUNKS``.
+``strategy="decompose"`` rewrites every site that can be rewritten, whatever its size.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from .sites import MatchedSite
 
 MAX_AUTO_CHUNKS = 4
 MIN_ROWS_PER_CHUNK = 32
+AUTO_MIN_BYTES = 1 << 20
 
 
 def auto_chunks(extent: int) -> int:
@@ -38,6 +42,10 @@ def plan_sites(sites: list[MatchedSite], options: Options, deps: DepGraph) -> No
         nbytes = site.comm_bytes()
         if options.min_bytes and nbytes is not None and nbytes < options.min_bytes:
             site.reason = f"collective moves {nbytes} B per rank, below min_bytes={options.min_bytes}"
+            continue
+        if strategy == "auto" and nbytes is not None and nbytes < AUTO_MIN_BYTES:
+            site.reason = (f"collective moves {nbytes / 1024:.0f} KiB per rank: below {AUTO_MIN_BYTES >> 10} KiB "
+                           "the latency of extra collectives outweighs the overlap (strategy='decompose' forces it)")
             continue
         rule = lower.RULES.get(type(site))
         if rule is None:
