@@ -18,5 +18,9 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# Needs root (network namespaces, tc). Writes benchmarks/results/ and BENCHMARKS.md.
+bench: setup
+	$(PY) -m benchmarks.bench_tp --default-cmd $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
