@@ -15,7 +15,6 @@ with DTensor's ``parallelize_module``:
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

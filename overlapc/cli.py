@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
-import json
 import os
 import sys
 from typing import Any

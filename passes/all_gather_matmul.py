@@ -25,11 +25,11 @@ from .deps import DepGraph
 from .rows import static_shape
 from .normalize import (Dims, NoProducer, Use, erase_collective, matmul_producer, matmul_uses,
                         remove_dead_nodes, split_cat_gather)
-from .sites import Loose, MatchedSite
+from .sites import ConsumerSite, Loose
 
 
 @dataclass(eq=False)
-class AllGatherMatmulSite(MatchedSite):
+class AllGatherMatmulSite(ConsumerSite):
     pattern = "all_gather_matmul"
     shard: Node = None
     """The local input of the all-gather."""
@@ -39,14 +39,6 @@ class AllGatherMatmulSite(MatchedSite):
     """Dim of ``gathered`` that holds the rank-ordered shards."""
     idiom: list[Node] = field(default_factory=list)
     """split/getitem/cat nodes of an inner-dim gather (empty for dim 0)."""
-    uses: list[Use] = field(default_factory=list)
-    other_users: list[Node] = field(default_factory=list)
-    """Users of the gathered tensor (or its views) that are not matmuls: they still need it whole."""
-
-    @property
-    def matmuls(self):
-        return ops.in_graph_order(u.matmul for u in self.uses)
-
     @property
     def dim(self):
         return self.gather_dim

@@ -12,14 +12,14 @@ One all-to-all can be both: its input made by matmuls and its output consumed by
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch.fx import Graph, Node
 
 from . import ops
 from .deps import DepGraph
-from .normalize import Dims, NoProducer, Producer, Use, matmul_producer, matmul_uses
-from .sites import Loose, MatchedSite
+from .normalize import Dims, NoProducer, matmul_producer, matmul_uses
+from .sites import ConsumerSite, Loose, ProducerSite
 
 
 def _splits(coll: Node):
@@ -32,14 +32,8 @@ def _static_splits(s) -> bool:
 
 
 @dataclass(eq=False)
-class AllToAllMatmulSite(MatchedSite):
+class AllToAllMatmulSite(ConsumerSite):
     pattern = "all_to_all_matmul"
-    uses: list[Use] = field(default_factory=list)
-    other_users: list[Node] = field(default_factory=list)
-
-    @property
-    def matmuls(self):
-        return ops.in_graph_order(u.matmul for u in self.uses)
 
     @property
     def dim(self):
@@ -47,13 +41,8 @@ class AllToAllMatmulSite(MatchedSite):
 
 
 @dataclass(eq=False)
-class MatmulAllToAllSite(MatchedSite):
+class MatmulAllToAllSite(ProducerSite):
     pattern = "matmul_all_to_all"
-    producer: Producer = None
-
-    @property
-    def matmuls(self):
-        return ops.in_graph_order(self.producer.matmuls)
 
     @property
     def dim(self):

@@ -19,20 +19,15 @@ from torch.fx import Graph
 from . import ops
 from .build import Builder, chunk_sizes
 from .deps import DepGraph
-from .normalize import Dims, NoProducer, Producer, erase_collective, matmul_producer
+from .normalize import Dims, NoProducer, erase_collective, matmul_producer
 from .rows import can_chunk_rows, chunk_rows, static_shape
-from .sites import Loose, MatchedSite
+from .sites import Loose, ProducerSite
 
 
 @dataclass(eq=False)
-class MatmulAllReduceSite(MatchedSite):
+class MatmulAllReduceSite(ProducerSite):
     pattern = "matmul_all_reduce"
     reduce_op: str = "sum"
-    producer: Producer = None
-
-    @property
-    def matmuls(self):
-        return ops.in_graph_order(self.producer.matmuls)
 
 
 def find_matmul_all_reduce_sites(graph: Graph, deps: DepGraph):

@@ -22,11 +22,11 @@ from .build import Builder, chunk_sizes, movedim_perm
 from .deps import DepGraph
 from .normalize import Dims, NoProducer, Producer, erase_collective, matmul_producer, split_cat_scatter
 from .rows import can_chunk_rows, chunk_rows, static_shape
-from .sites import Loose, MatchedSite
+from .sites import Loose, ProducerSite
 
 
 @dataclass(eq=False)
-class MatmulReduceScatterSite(MatchedSite):
+class MatmulReduceScatterSite(ProducerSite):
     pattern = "matmul_reduce_scatter"
     scattered: Node = None
     """The tensor whose ``scatter_dim`` is reduce-scattered (before the split + cat idiom)."""
@@ -34,11 +34,6 @@ class MatmulReduceScatterSite(MatchedSite):
     idiom: list[Node] = field(default_factory=list)
     """split/getitem/cat nodes of an inner-dim scatter (empty for dim 0)."""
     reduce_op: str = "sum"
-    producer: Producer = None
-
-    @property
-    def matmuls(self):
-        return ops.in_graph_order(self.producer.matmuls)
 
     @property
     def dim(self):

@@ -1,4 +1,4 @@
-"""The matched-site base class shared by every site kind, and its conversion to a report row."""
+"""The matched-site base classes shared by every site kind, and their conversion to a report row."""
 from __future__ import annotations
 
 import os
@@ -10,6 +10,7 @@ from torch.fx import Node
 from overlapc.report import Site
 
 from . import ops
+from .normalize import Producer, Use
 
 
 @dataclass(eq=False)
@@ -84,6 +85,28 @@ class MatchedSite:
             dtype=str(v.dtype).replace("torch.", "") if v is not None else None,
             shapes=_plain(self.shapes()), comm_bytes=self.comm_bytes(), details=_plain(self.details),
         )
+
+
+@dataclass(eq=False)
+class ConsumerSite(MatchedSite):
+    """A collective whose result feeds matmuls (all-gather -> mm, all-to-all -> mm)."""
+    uses: list[Use] = field(default_factory=list)
+    other_users: list[Node] = field(default_factory=list)
+    """Users of the collective's result (or its views) that are not matmuls: they still need it whole."""
+
+    @property
+    def matmuls(self):
+        return ops.in_graph_order(u.matmul for u in self.uses)
+
+
+@dataclass(eq=False)
+class ProducerSite(MatchedSite):
+    """A collective whose input is a matmul or a sum of matmuls (mm -> RS / AR / all-to-all)."""
+    producer: Producer = None
+
+    @property
+    def matmuls(self):
+        return ops.in_graph_order(self.producer.matmuls)
 
 
 @dataclass(eq=False)
