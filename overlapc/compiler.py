@@ -45,8 +45,11 @@ class Backend:
     """A torch.compile backend with fixed options; ``.report`` collects what it did."""
 
     def __init__(self, options: Options | None = None, report: Report | None = None,
-                 keep_graphs: bool = False, extra_passes: tuple = ()):
+                 keep_graphs: bool = False, extra_passes: tuple = (), verify_plans: bool = True):
         self.options = options or Options()
+        self.verify_plans = verify_plans
+        """Exchange each graph's plan across ranks when it is compiled (overlapc.agree);
+        off for explain(), which runs no collective."""
         self.report = report if report is not None else Report()
         self.extra_passes = tuple(extra_passes)
         """Callables gm -> None run after overlapc's passes (benchmarks use this to strip comm)."""
@@ -100,6 +103,9 @@ def _run_passes(gm, kind: str, opts: Options, be: Backend):
         p(gm)
     if be.extra_passes:
         gm.recompile()
+    if be.verify_plans:
+        from .agree import check_plans_agree
+        check_plans_agree(kind, sites)
     with _GLOBAL_LOCK:
         be.report.extend(sites)
         if be.graphs is not None:

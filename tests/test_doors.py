@@ -156,6 +156,41 @@ def test_explain_runs_no_collective(world2):
     assert n0 > 0 and n1 == 0
 
 
+def plans_disagree_job():
+    """Job: rank r compiles with chunks=2+r. The ranks must refuse with the same clear error
+    (naming the site and both plans) before any rewritten collective runs, not hang."""
+    import overlapc
+    from overlapc.errors import OverlapError
+
+    group = dist.group.WORLD
+
+    def fn(x, w):
+        return funcol.all_gather_tensor(x, gather_dim=0, group=group) @ w
+
+    x, w = torch.randn(8, 16), torch.randn(16, 8)
+    opts = {"inner": "eager", "strategy": "decompose", "chunks": 2 + dist.get_rank()}
+    try:
+        torch.compile(fn, backend=overlapc.backend(**opts))(x, w)
+    except Exception as e:  # dynamo wraps backend errors
+        cause = e
+        while cause is not None and not isinstance(cause, OverlapError):
+            cause = cause.__cause__ or cause.__context__
+        assert cause is not None, f"expected OverlapError, got {type(e).__name__}: {e}"
+        msg = str(cause)
+        assert "graph differently at site" in msg and "all_gather_matmul" in msg, msg
+        assert "decompose/2" in msg and "decompose/3" in msg, msg
+        # The world is still usable: nobody is stuck in a half-issued collective.
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        return t.item()
+    raise AssertionError("ranks with different plans compiled without an error")
+
+
+@pytest.mark.distributed
+def test_ranks_that_plan_differently_fail_fast(world2):
+    assert world2.run(plans_disagree_job, timeout=120) == [2.0, 2.0]
+
+
 # ---------------------------------------------------------------- CLI
 
 def _cli(*args):
