@@ -4,9 +4,9 @@ A rewrite replaces one collective by several; if two ranks plan one graph differ
 (different options, or different input shapes on different ranks), they issue different
 collectives and wait on each other forever. So, when a graph that holds collectives is
 compiled (which every rank of its groups does, at the same point of the program), the
-ranks of each of its groups exchange what they planned, once, with a blocking
-``all_gather_object`` on that group, and every rank raises the same ``OverlapError``,
-naming the first site that differs, instead of hanging.
+ranks of each of its groups exchange what they planned, once, through the c10d store
+(not the group itself, see ``_exchange``), and every rank raises the same
+``OverlapError``, naming the first site that differs, instead of hanging.
 """
 from __future__ import annotations
 
@@ -44,17 +44,26 @@ def first_difference(mine: list[tuple], theirs: list[tuple]) -> tuple[int, tuple
     return None
 
 
-def _real_tensors():
-    """Compilation runs under fake-tensor and tracing modes; the exchange needs real tensors."""
-    import contextlib
+_EXCHANGES: dict[str, int] = {}
+"""Exchanges done per group in this process: the key prefix of the next one (every rank of a
+group compiles the same graphs in the same order, so the counters agree)."""
 
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
-    stack = contextlib.ExitStack()
-    stack.enter_context(unset_fake_temporarily())
-    stack.enter_context(disable_proxy_modes_tracing())
-    return stack
+def _exchange(pg_name: str, ranks: list[int], payload) -> list:
+    """All-gather ``payload`` among ``ranks`` through the default store, not the process
+    group: the group may still have asynchronous functional collectives of the program in
+    flight (gloo corrupts its state when a second one of a group joins them), and the store
+    has its own timeout, so a rank that never arrives is an error, not a hang."""
+    import pickle
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    seq = _EXCHANGES[pg_name] = _EXCHANGES.get(pg_name, -1) + 1
+    prefix = f"overlapc/plan/{pg_name}/{seq}"
+    store.set(f"{prefix}/{dist.get_rank()}", pickle.dumps(payload))
+    return [pickle.loads(store.get(f"{prefix}/{r}")) for r in ranks]
 
 
 def check_plans_agree(graph_kind: str, sites: Iterable[Site]) -> None:
@@ -65,18 +74,15 @@ def check_plans_agree(graph_kind: str, sites: Iterable[Site]) -> None:
     sites = list(sites)
     if not sites or not dist.is_available() or not dist.is_initialized():
         return
-    from overlapc.passes.ops import group_backend
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     keys = [plan_key(s) for s in sites]
     for name in sorted({s.group for s in sites if s.group is not None}):
-        if group_backend(name) in SKIP_BACKENDS:
-            continue
         pg = _resolve_process_group(name)
-        gathered: list = [None] * dist.get_world_size(pg)
-        with _real_tensors():
-            dist.all_gather_object(gathered, keys, group=pg)
+        if dist.get_backend(pg) in SKIP_BACKENDS:
+            continue
         ranks = dist.get_process_group_ranks(pg)
+        gathered = _exchange(name, ranks, keys)
         for rank, theirs in zip(ranks[1:], gathered[1:]):
             diff = first_difference(gathered[0], theirs)
             if diff is None:
