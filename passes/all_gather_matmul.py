@@ -22,7 +22,7 @@ from torch.fx import Graph, Node
 from . import ops
 from .build import Builder, chunk_sizes, movedim_perm
 from .deps import DepGraph
-from .rows import static_shape
+from .rows import ROW_CHUNKS, RowChunks, row_layout, static_shape
 from .normalize import (Dims, NoProducer, Use, erase_collective, matmul_producer, matmul_uses,
                         remove_dead_nodes, split_cat_gather)
 from .sites import ConsumerSite, Loose
@@ -193,6 +193,7 @@ def rewrite_all_gather_matmul(site: AllGatherMatmulSite, chunks: int) -> None:
         return b.contiguous(b.permute(full, movedim_perm(rank + 1, 0, d)))
 
     pieces = []  # gathered ranges as (W * n_c, K)
+    layout = row_layout(world, d, static_shape(site.gathered), chunk_sizes(rows, chunks))
     with graph.inserting_before(first):
         flat = b.reshape(x, [rows, k])
         off = 0
@@ -211,13 +212,17 @@ def rewrite_all_gather_matmul(site: AllGatherMatmulSite, chunks: int) -> None:
                     for p in casts:
                         a = b.call(p.target, a, *p.args[1:], **p.kwargs)
                     operands[key].append(a)
-            outs = []
+            outs, ys = [], []
             for a, (_, n) in zip(operands[key], pieces):
                 args = list(mm.args)
                 args[u.arg] = a
                 y = b.call(mm.target, *args, **mm.kwargs)
+                ys.append(y)
                 outs.append(b.view(y, [world, n, ops.shape(y)[-1]]))
-            mm.replace_all_uses_with(b.reshape(assemble(outs, ops.shape(mm)[-1]), ops.shape(mm)))
+            whole = b.reshape(assemble(outs, ops.shape(mm)[-1]), ops.shape(mm))
+            # A later reduce-scatter with the same row layout reads these chunks directly.
+            whole.meta[ROW_CHUNKS] = RowChunks(layout, ys)
+            mm.replace_all_uses_with(whole)
         last = b.created[-1]
     for u in uses:  # not inside inserting_before(first): first is one of them
         graph.erase_node(u.matmul)

@@ -21,7 +21,7 @@ from . import ops
 from .build import Builder, chunk_sizes, movedim_perm
 from .deps import DepGraph
 from .normalize import Dims, NoProducer, Producer, erase_collective, matmul_producer, split_cat_scatter
-from .rows import can_chunk_rows, chunk_rows, static_shape
+from .rows import can_chunk_rows, chained_rows, chunk_rows, row_layout, static_shape
 from .sites import Loose, ProducerSite
 
 
@@ -153,11 +153,21 @@ def rewrite_matmul_reduce_scatter(site: MatmulReduceScatterSite, chunks: int) ->
             rank_major[a] = b.reshape(v, [world, rows, k])
         return rank_major[a]
 
+    sizes = chunk_sizes(rows, chunks)
+    layout = row_layout(world, d, shape, sizes)
     with graph.inserting_before(site.coll):
         off = 0
-        for n in chunk_sizes(rows, chunks):
-            def select(a, off=off, n=n):
+        for c, n in enumerate(sizes):
+            def plain(a, off=off, n=n):
                 return b.reshape(b.slice(by_rank(a), 1, off, off + n), [world * n, static_shape(a)[-1]])
+
+            def select(a, c=c, plain=plain):
+                # Rows that an earlier all-gather rewrite already produced chunk by chunk
+                # (AG -> mm -> row-wise ops -> mm -> RS, as in an MLP) are read from those
+                # chunks: this chunk's GEMM and reduce-scatter then wait only for its own
+                # gathered range, and the scatter overlaps the remaining ranges' GEMMs.
+                chained = chained_rows(b, a, layout, c, plain)
+                return chained if chained is not None else plain(a)
 
             yc = chunk_rows(b, y, site.producer, select)
             rs = b.call(ops.REDUCE_SCATTER, yc, site.reduce_op, world, site.group)

@@ -83,3 +83,93 @@ def chunk_rows(b: Builder, root: Node, prod: Producer, select: Callable[[Node], 
         return out
 
     return ev(root)
+
+
+# ----------------------------------------------------------------------------- chaining
+
+ROW_CHUNKS = "overlapc_row_chunks"
+"""node.meta key set by the all-gather rewrite on each consumer GEMM's result: a RowChunks
+saying which new nodes hold that result's rows, chunk by chunk."""
+
+
+class RowChunks:
+    """A tensor whose rows, taken rank-major per chunk, already exist as separate nodes.
+
+    ``layout`` = (world, dim, prefix, sizes): the tensor is (prod(prefix), N) rows of a
+    (prefix..., N) tensor gathered/scattered along ``dim`` over ``world`` ranks; chunk c is
+    rows [o_c, o_c + sizes[c]) of every rank's shard, in rank order, as ``pieces[c]``
+    of shape (world * sizes[c], N). The reduce-scatter rewrite selects exactly these rows
+    for its chunk c when its layout is the same, so it can read ``pieces[c]`` instead of
+    slicing the whole tensor, and its chunk c no longer waits for the other chunks.
+    """
+
+    def __init__(self, layout: tuple, pieces: list[Node]):
+        self.layout, self.pieces = layout, list(pieces)
+
+
+def row_layout(world: int, dim: int, shape: list[int], chunks_sizes: list[int]) -> tuple:
+    return (world, dim, tuple(shape[:-1]), tuple(chunks_sizes))
+
+
+def _pointwise(node: Node) -> bool:
+    import torch
+
+    tags = getattr(node.target, "tags", ())
+    return node.op == "call_function" and (torch.Tag.pointwise in tags or node.target in ops.IDENTITIES)
+
+
+def chained_rows(b: Builder, root: Node, layout: tuple, c: int, plain: Callable[[Node], Node]) -> Node | None:
+    """Chunk ``c`` of ``root``'s rows (as (world * n_c, N)) built from row-chunked GEMM
+    results (RowChunks of the same layout) through row-wise ops: views that keep the last
+    dim and pointwise ops whose tensor operands all have the result's shape. Operands that
+    reach no chunked result are sliced with ``plain``. None when ``root`` reaches none."""
+    rows = _rows_of([*layout[2], 0])
+    reach: dict[Node, bool] = {}
+
+    def reaches(n) -> bool:
+        if not isinstance(n, Node):
+            return False
+        if n not in reach:
+            reach[n] = False  # cycles cannot happen in a DAG; this only guards re-entry
+            info = n.meta.get(ROW_CHUNKS)
+            if info is not None:
+                reach[n] = info.layout == layout
+            else:
+                shape = static_shape(n)
+                if not shape or _rows_of(shape) != rows:
+                    return False
+                if n.target in ops.RESHAPES:
+                    src = static_shape(n.args[0])
+                    reach[n] = bool(src) and src[-1] == shape[-1] and reaches(n.args[0])
+                elif _pointwise(n):
+                    tensors = [a for a in (*n.args, *n.kwargs.values()) if isinstance(a, Node)]
+                    reach[n] = (all(static_shape(a) == shape for a in tensors)
+                                and any(reaches(a) for a in tensors))
+        return reach[n]
+
+    memo: dict[Node, Node] = {}
+
+    def ev(n: Node) -> Node:
+        if n in memo:
+            return memo[n]
+        info = n.meta.get(ROW_CHUNKS)
+        if info is not None:
+            out = info.pieces[c]
+        elif n.target in ops.RESHAPES:
+            out = ev(n.args[0])
+        else:
+            args = [(ev(a) if reaches(a) else plain(a)) if isinstance(a, Node) else a for a in n.args]
+            kwargs = {k: (ev(v) if reaches(v) else plain(v)) if isinstance(v, Node) else v
+                      for k, v in n.kwargs.items()}
+            out = b.call(n.target, *args, **kwargs)
+        memo[n] = out
+        return out
+
+    return ev(root) if reaches(root) else None
+
+
+def _rows_of(shape: list[int]) -> int:
+    r = 1
+    for s in shape[:-1]:
+        r *= s
+    return r

@@ -103,6 +103,38 @@ def test_rewritten_graph_order(fake_mesh8):
         assert pos[rss[c]] < pos[rs_in[c + 1]]
 
 
+def _ancestors(node):
+    seen, stack = set(), [node]
+    while stack:
+        for p in stack.pop().all_input_nodes:
+            if p not in seen:
+                seen.add(p)
+                stack.append(p)
+    return seen
+
+
+def test_row_chunks_chain_from_gather_to_scatter(fake_mesh8):
+    """AG -> mm -> relu -> mm -> RS with the same row layout (an MLP): reduce-scatter chunk
+    c reads gathered range c's GEMM through relu, so it waits for no later range."""
+    report, graphs = capture(ag_mm_rs, *_inputs(), options={"strategy": "decompose", "chunks": CHUNKS})
+    (_, gm), = graphs
+    seq = list(gm.graph.nodes)
+    waits = [ops.wait_of(n) for n in seq if n.target is ops.ALL_GATHER]
+    rss = [n for n in seq if n.target is ops.REDUCE_SCATTER]
+    for c, rs in enumerate(rss):
+        anc = _ancestors(rs)
+        assert waits[c] in anc, f"scatter chunk {c} computes from gathered range {c}"
+        assert not anc & set(waits[c + 1:]), f"scatter chunk {c} waits for a later gathered range"
+    # Not chained when the layouts differ: 2 chunks for the scatter, 3 for the gather.
+    report, graphs = capture(ag_mm_rs, *_inputs(), options={
+        "strategy": "decompose", "chunks": CHUNKS, "overrides": {"*matmul_reduce_scatter": {"chunks": 2}}})
+    (_, gm), = graphs
+    seq = list(gm.graph.nodes)
+    waits = [ops.wait_of(n) for n in seq if n.target is ops.ALL_GATHER]
+    first_rs = next(n for n in seq if n.target is ops.REDUCE_SCATTER)
+    assert set(waits) <= _ancestors(first_rs)
+
+
 def test_gloo_all_gathers_are_chained(fake_mesh8, monkeypatch):
     """On gloo, a chunk's all-gather is issued only after the previous chunk was waited on."""
     monkeypatch.setattr(ops, "group_backend", lambda name: "gloo")
