@@ -130,19 +130,21 @@ def run(args) -> list[dict]:
 def report(rows, args) -> None:
     import os
 
+    # One section (and file set) per inner compiler, so an inductor run keeps the eager table.
+    tag = "" if args.inner == "eager" else f"_{args.inner}"
     for r in rows:
         tl = r.pop("timeline", None)
         tlb = r.pop("timeline_base", None)
         if tl:
-            name = f"timeline_tp_sp_w{r['world_size']}_{r['mode']}.png"
+            name = f"timeline_tp_sp{tag}_w{r['world_size']}_{r['mode']}.png"
             common.timeline_png(tl, os.path.join(common.RESULTS, name),
                                 f"overlapc, TP+SP Llama, world {r['world_size']}, {r['mode']} step, rank 0")
             r["timeline_png"] = f"benchmarks/results/{name}"
         if tlb:
-            name = f"timeline_tp_sp_w{r['world_size']}_{r['mode']}_baseline.png"
+            name = f"timeline_tp_sp{tag}_w{r['world_size']}_{r['mode']}_baseline.png"
             common.timeline_png(tlb, os.path.join(common.RESULTS, name),
                                 f"baseline, TP+SP Llama, world {r['world_size']}, {r['mode']} step, rank 0")
-    common.write_json("tp_sp.json", rows)
+    common.write_json(f"tp_sp{tag}.json", rows)
     cmd = "sudo make bench" if args.default_cmd else "python -m benchmarks.bench_tp " + " ".join(sys.argv[1:])
     m = rows[0]["model"]
     lines = [
@@ -167,7 +169,9 @@ def report(rows, args) -> None:
         lines += ["", "One overlapc step (rank 0): GEMM chunks (dark blue) run while collectives (red) are "
                       "on the wire. Baseline timelines are beside them (`*_baseline.png`).", ""]
         lines += [f"![timeline]({p})" for p in pngs[:2]]
-    common.update_benchmarks_md("Tensor + sequence parallel (issue 3)", "\n".join(lines))
+    section = "Tensor + sequence parallel (issue 3)" if not tag else \
+        f"Tensor + sequence parallel, inner={args.inner} (issue 3)"
+    common.update_benchmarks_md(section, "\n".join(lines))
 
 
 def main(argv=None):
