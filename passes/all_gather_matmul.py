@@ -193,11 +193,12 @@ def rewrite_all_gather_matmul(site: AllGatherMatmulSite, chunks: int) -> None:
         return b.contiguous(b.permute(full, movedim_perm(rank + 1, 0, d)))
 
     pieces = []  # gathered ranges as (W * n_c, K)
-    layout = row_layout(world, d, static_shape(site.gathered), chunk_sizes(rows, chunks))
+    sizes = chunk_sizes(rows, chunks)
+    layout = row_layout(world, d, static_shape(site.gathered), sizes)
     with graph.inserting_before(first):
         flat = b.reshape(x, [rows, k])
         off = 0
-        for n in chunk_sizes(rows, chunks):
+        for n in sizes:
             ag = b.call(ops.ALL_GATHER, b.slice(flat, 0, off, off + n), world, group)
             pieces.append((b.call(ops.WAIT, ag), n))
             off += n

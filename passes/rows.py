@@ -12,6 +12,7 @@ same order per row::
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from torch.fx import Node
@@ -35,10 +36,7 @@ def can_chunk_rows(root: Node, prod: Producer) -> str | None:
     shape = static_shape(root)
     if shape is None:
         return "dynamic shapes: chunk sizes would not be known at compile time"
-    n = shape[-1]
-    rows = 1
-    for s in shape[:-1]:
-        rows *= s
+    n, rows = shape[-1], _rows_of(shape)
     if "concat" in prod.form:
         return "the producer concatenates matmul results (per-expert loop): not row-chunkable"
     for p in prod.path:
@@ -123,7 +121,7 @@ def chained_rows(b: Builder, root: Node, layout: tuple, c: int, plain: Callable[
     results (RowChunks of the same layout) through row-wise ops: views that keep the last
     dim and pointwise ops whose tensor operands all have the result's shape. Operands that
     reach no chunked result are sliced with ``plain``. None when ``root`` reaches none."""
-    rows = _rows_of([*layout[2], 0])
+    rows = math.prod(layout[2])
     reach: dict[Node, bool] = {}
 
     def reaches(n) -> bool:
@@ -169,7 +167,5 @@ def chained_rows(b: Builder, root: Node, layout: tuple, c: int, plain: Callable[
 
 
 def _rows_of(shape: list[int]) -> int:
-    r = 1
-    for s in shape[:-1]:
-        r *= s
-    return r
+    """Rows of a tensor read as (rows, last dim)."""
+    return math.prod(shape[:-1])
