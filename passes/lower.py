@@ -12,6 +12,7 @@ from typing import Callable
 from torch.fx import Graph
 
 from . import all_gather_matmul as agm
+from . import all_to_all as a2a
 from . import matmul_all_reduce as mar
 from . import matmul_reduce_scatter as mrs
 from .deps import DepGraph
@@ -22,7 +23,8 @@ from .sites import MatchedSite
 class Rule:
     can_rewrite: Callable[[MatchedSite, DepGraph], str | None]
     extent: Callable[[MatchedSite], int]
-    rewrite: Callable[[MatchedSite, int], None]
+    rewrite: Callable[[MatchedSite, int], bool | None]
+    """Rewrites the site; returns False when it decided not to (and set the site's reason)."""
 
 
 RULES = {
@@ -31,6 +33,8 @@ RULES = {
                                       mrs.rewrite_matmul_reduce_scatter),
     mar.MatmulAllReduceSite: Rule(lambda s, deps: mar.can_rewrite(s), mar.chunk_extent,
                                   mar.rewrite_matmul_all_reduce),
+    a2a.AllToAllMatmulSite: Rule(a2a.can_rewrite_consumer, a2a.consumer_extent, a2a.rewrite_consumer),
+    a2a.MatmulAllToAllSite: Rule(a2a.can_rewrite_producer, a2a.producer_extent, a2a.rewrite_producer),
 }
 
 
@@ -38,15 +42,21 @@ def lower_sites(graph: Graph, sites: list[MatchedSite]) -> int:
     """Rewrite every planned site; returns how many were rewritten."""
     done = 0
     for site in sites:
+        site.coll.meta[a2a.SITE] = site  # lets a rewrite chain a later planned site into its own
+    for site in sites:
         if site.status != "planned":
             continue
         if any(n.graph is not graph or _erased(n) for n in [site.coll, site.wait, *site.matmuls]):
             site.status, site.strategy, site.chunks = "skipped", None, None
             site.reason = "its matmul was already rewritten as part of another site"
             continue
-        RULES[type(site)].rewrite(site, site.chunks)
+        if RULES[type(site)].rewrite(site, site.chunks) is False:
+            continue
         site.status = "rewritten"
         done += 1
+    for node in graph.nodes:  # sites hold nodes: keep them out of meta that others copy or pickle
+        node.meta.pop(a2a.SITE, None)
+        node.meta.pop(a2a.REACHED, None)
     return done
 
 
