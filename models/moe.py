@@ -38,6 +38,10 @@ class MoEConfig:
     """Slots per expert = ceil(capacity_factor * tokens * top_k / n_experts)."""
     expert_form: str = "bmm"
     """How expert GEMMs are written: "bmm" or "loop"."""
+    skew: float = 0.0
+    """Router logit bias: +skew for expert 0, -skew for the upper half of the experts.
+    Large values send most tokens to expert 0 (over capacity: dropped) and none to the
+    upper half: the skewed routing real routers show early in training."""
     seed: int = 0
 
     def __post_init__(self):
@@ -74,6 +78,13 @@ class MoE(nn.Module):
         w2 = torch.randn(cfg.n_experts, cfg.hidden, cfg.dim, generator=g) * scale_h
         lo, hi = rank * self.n_local, (rank + 1) * self.n_local
         self.router = nn.Parameter(router)
+        bias = torch.zeros(cfg.n_experts)
+        bias[0] = cfg.skew
+        bias[cfg.n_experts // 2:] = -cfg.skew
+        if cfg.n_experts == 1:
+            bias.zero_()
+        # A buffer, not a constant: tests change the routing without recompiling.
+        self.register_buffer("router_bias", bias)
         self.w1 = nn.Parameter(w1[lo:hi].clone())
         self.w3 = nn.Parameter(w3[lo:hi].clone())
         self.w2 = nn.Parameter(w2[lo:hi].clone())
@@ -100,7 +111,7 @@ class MoE(nn.Module):
         cfg = self.cfg
         t, d = x.shape
         cap = capacity(cfg, t)
-        probs = torch.softmax(x.float() @ self.router.float(), dim=-1)
+        probs = torch.softmax(x.float() @ self.router.float() + self.router_bias, dim=-1)
         gate, expert = torch.topk(probs, cfg.top_k, dim=-1)                 # (t, k)
         gate = (gate / gate.sum(-1, keepdim=True)).to(x.dtype)
         # Position of each (token, choice) in its expert's slots, in token order.

@@ -73,13 +73,19 @@ def find_all_to_all_sites(graph: Graph, deps: DepGraph):
         splits = "even" if out_s is None and in_s is None else \
             "static" if _static_splits(out_s) and _static_splits(in_s) else "dynamic"
         found = []
-        uses, others = matmul_uses(wait, Dims({0}), through_indexing=True)
-        uses = [u for u in uses if u.other is None or not deps.depends(u.other, wait)]
+        all_uses, others = matmul_uses(wait, Dims({0}), through_indexing=True)
+        uses = [u for u in all_uses if u.other is None or not deps.depends(u.other, wait)]
         if uses:
             s = AllToAllMatmulSite(**common, uses=uses, other_users=others)
             s.details = {"splits": splits, "other_users": [n.name for n in others]}
             found.append(s)
-        why_consumer = "no matmul consumer" if not uses else None
+        why_consumer = None
+        if not all_uses:
+            why_consumer = "no matmul consumer"
+        elif not uses:
+            names = ", ".join(u.matmul.name for u in all_uses)
+            why_consumer = (f"the other operand of every matmul consumer ({names}) depends on the "
+                            "all-to-all itself: no chunk can start before all have arrived")
         try:
             prod = matmul_producer(node.args[0], Dims({0}), {node})
             s = MatmulAllToAllSite(**common, producer=prod)

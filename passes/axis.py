@@ -11,7 +11,8 @@ A region starts at the wait of a collective and grows forward through ops that a
 the chunks independently (:func:`step_of`): reshapes that keep the factor whole,
 transposes, pointwise ops, matmuls whose output follows the axis (rows, columns, or the
 batch of a bmm). A matmul or sum that reduces over the axis ends the region as a sum of
-per-chunk partials. An all-to-all fed by the region is a *terminal*: it can run chunk by
+per-chunk partials (in fp32; in bf16/fp16 it runs whole on operands rebuilt from the
+chunks, so that no partial is rounded before the sum). An all-to-all fed by the region is a *terminal*: it can run chunk by
 chunk, so chunk c of the next collective waits only for chunk c of the first. Everything
 else reads the region's tensors whole, rebuilt from their chunks.
 
@@ -29,6 +30,8 @@ from torch.fx import Node
 
 from . import ops
 from .build import Builder
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 PIECE = "piece"
 """Operand treatment: the operand is in the region; use its chunk."""
@@ -123,8 +126,11 @@ def step_of(node: Node, axes: dict[Node, Axis]) -> Step | None:
         return None
     t = node.target
     out = static_shape(node)
-    if out is None or any(isinstance(a, (list, tuple)) and any(isinstance(x, Node) for x in a)
-                          for a in node.args):
+    if out is None:
+        return None
+    if t in (ops.aten.stack.default, ops.aten.cat.default):
+        return _concat_step(node, axes)
+    if any(isinstance(a, (list, tuple)) and any(isinstance(x, Node) for x in a) for a in node.args):
         return None
     reached = {k: a for k, a in _tensor_args(node) if a in axes}
     if t in ops.RESHAPES and 0 in reached and len(reached) == 1:
@@ -161,6 +167,10 @@ def step_of(node: Node, axes: dict[Node, Axis]) -> Step | None:
         if d == a.dim and not ops.is_full_slice(node):
             return None
         return Step(node, a, {0: PIECE})
+    if t is ops.aten.select_backward.default and list(reached) == [0]:
+        a = axes[node.args[0]]
+        d = _norm(node.args[2], len(out))
+        return Step(node, Axis(a.dim + (d <= a.dim), a.extent, a.inner), {0: PIECE}, (1, out))
     if t in ops.MATMULS and t in (ops.aten.mm.default, ops.aten.bmm.default):
         return _matmul_step(node, axes)
     if t is ops.aten.sum.dim_IntList and list(reached) == [0]:
@@ -191,6 +201,24 @@ def step_of(node: Node, axes: dict[Node, Axis]) -> Step | None:
                 operands[k] = how
         return Step(node, axis, operands)
     return None
+
+
+def _concat_step(node: Node, axes: dict[Node, Axis]) -> Step | None:
+    """stack / cat of same-shaped region tensors with one axis, not along the axis (the
+    per-expert loop stacks its experts' outputs)."""
+    xs = node.args[0]
+    if not all(isinstance(x, Node) and x in axes for x in xs):
+        return None
+    a, shape = axes[xs[0]], static_shape(xs[0])
+    if shape is None or any(axes[x] != a or static_shape(x) != shape for x in xs):
+        return None
+    d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if node.target is ops.aten.stack.default:
+        d = _norm(d, len(shape) + 1)
+        return Step(node, Axis(a.dim + (d <= a.dim), a.extent, a.inner), {0: PIECE})
+    if _norm(d, len(shape)) == a.dim:
+        return None
+    return Step(node, a, {0: PIECE})
 
 
 def _matmul_step(node: Node, axes: dict[Node, Axis]) -> Step | None:
@@ -283,7 +311,7 @@ def grow(start: Node, axis: Axis, may_chain=lambda coll: True) -> Region:
             continue
         if node.op == "output":
             continue
-        ins = [a for _, a in _tensor_args(node) if a in axes]
+        ins = [a for a in node.all_input_nodes if a in axes]
         if not ins:
             continue
         if (node.target is ops.ALL_TO_ALL and node.args[0] in axes and even_splits(node)
@@ -292,7 +320,9 @@ def grow(start: Node, axis: Axis, may_chain=lambda coll: True) -> Region:
             terminals.append(node)
             continue
         st = step_of(node, axes)
-        if st is None:
+        if st is None or (st.axis is None and ops.val(node).dtype in LOW_PRECISION):
+            # A low-precision reduction over the axis stays whole, on operands rebuilt from
+            # the chunks: per-chunk partials would each be rounded before the sum.
             continue
         steps.append(st)
         if st.axis is not None:
@@ -371,6 +401,8 @@ def replay(b: Builder, region: Region, sizes: list[int], start_pieces: list[Node
 
             def operand(k, a):
                 how = st.operands.get(k)
+                if isinstance(a, (list, tuple)):
+                    return [operand(k, x) if isinstance(x, Node) else x for x in a]
                 if how is PIECE:
                     return piece[a]
                 if isinstance(how, Axis):
@@ -380,7 +412,7 @@ def replay(b: Builder, region: Region, sizes: list[int], start_pieces: list[Node
                     return narrowed[key]
                 return a
 
-            args = [operand(i, a) if isinstance(a, Node) else a for i, a in enumerate(node.args)]
+            args = [operand(i, a) if isinstance(a, (Node, list, tuple)) else a for i, a in enumerate(node.args)]
             kwargs = {k: operand(k, a) if isinstance(a, Node) else a for k, a in node.kwargs.items()}
             if st.shape_arg is not None:
                 pos, shape = st.shape_arg
@@ -392,14 +424,8 @@ def replay(b: Builder, region: Region, sizes: list[int], start_pieces: list[Node
 
 
 def add_partials(b: Builder, parts: list[Node]) -> Node:
-    """Sum of per-chunk partials, accumulated in fp32 when they are lower precision."""
-    dtype = ops.val(parts[0]).dtype
-    low = dtype in (torch.bfloat16, torch.float16)
-    acc = None
-    for p in parts:
-        if low:
-            p = b.call(ops.aten._to_copy.default, p, dtype=torch.float32)
-        acc = p if acc is None else b.call(ops.ADD, acc, p)
-    if low:
-        acc = b.call(ops.aten._to_copy.default, acc, dtype=dtype)
+    """Sum of per-chunk partials (fp32 and wider only: see :func:`grow`)."""
+    acc = parts[0]
+    for p in parts[1:]:
+        acc = b.call(ops.ADD, acc, p)
     return acc

@@ -106,6 +106,51 @@ def test_moe_counts(fake_mesh8, form):
     assert len(fw.matmuls) == 2  # w1 and w3 (8 experts over 8 ranks: one local expert)
 
 
+@pytest.mark.parametrize("form", ["bmm", "loop"])
+def test_moe_decomposed_along_capacity(fake_mesh8, form):
+    """Each dispatch all-to-all is chunked along the capacity slots (Axis(0, cap): 8 experts
+    over 8 ranks leave one local expert, so chunking experts is impossible) and its combine
+    all-to-all is chained to it, forward and backward."""
+    model, inputs = moe.build_ep(fake_mesh8, expert_form=form, tokens=64)
+    cap = moe.capacity(model.cfg, 64)
+    report = overlapc.explain(model, *inputs, options={"strategy": "decompose", "chunks": 3})
+    sites = [s for s in report.sites if s.pattern != "collective"]
+    assert len(sites) == 4 and all(s.status == "rewritten" and s.chunks == 3 for s in sites), str(report)
+    for s in report.by(pattern="all_to_all_matmul"):
+        assert s.details["axis"] == {"dim": 0, "extent": cap, "inner": 1}
+        assert len(s.details["chained"]) == 1
+    for s in report.by(pattern="matmul_all_to_all"):
+        assert s.details["chained_from"].endswith("all_to_all_matmul")
+
+
+def _a2a_program(group, variant):
+    import torch
+    import torch.distributed._functional_collectives as funcol
+
+    def fn(x, w):
+        n = x.shape[0] // 8
+        splits = [n] * 8 if variant != "uneven" else [n - 1] + [n] * 6 + [n + 1]
+        r = funcol.all_to_all_single(x, splits, splits, group)
+        r3 = r.view(8, -1, x.shape[1])
+        if variant == "self":  # the matmul's other operand is the received buffer too
+            return torch.bmm(r3, r3.transpose(1, 2)).sum()
+        return torch.bmm(r3, w).sum()
+    return fn
+
+
+@pytest.mark.parametrize("variant,pattern,reason", [
+    ("uneven", "all_to_all_matmul", "uneven or run-time split sizes"),
+    ("self", "collective", "depends on the all-to-all itself"),
+])
+def test_unsupported_all_to_all_left_alone(fake_mesh8, variant, pattern, reason):
+    import torch
+    fn = _a2a_program(fake_mesh8.get_group(), variant)
+    report = overlapc.explain(fn, torch.randn(64, 16), torch.randn(8, 16, 4),
+                              options={"strategy": "decompose"})
+    (site,) = report.by(pattern=pattern)
+    assert site.status == "skipped" and reason in site.reason, str(report)
+
+
 def test_inference_graph(fake_mesh8):
     import torch
     model, inputs = llama.build_tp_sp(fake_mesh8, n_layers=1)
