@@ -1,0 +1,42 @@
+"""Benchmark: the expert-parallel MoE layer on an emulated cluster, baseline vs overlapc.
+
+    sudo python -m benchmarks.bench_moe [--world-sizes 2 4] [--rate auto|MBIT] [--inner eager|inductor]
+                                        [--iters 7] [--modes train forward] [--tokens 1024 ...]
+
+The same driver as the TP+SP benchmark (benchmarks/harness.py): per world size and mode,
+the link rate is calibrated so that the four all-to-alls of a training step (two forward,
+two backward) take about as long as the compute, then baseline, overlapc and compute
+alone are timed interleaved and the all-to-alls replayed alone. Capacity form (even
+all-to-alls, static shapes), bmm experts, top-2 routing with the default random router.
+Writes benchmarks/results/moe.json, a BENCHMARKS.md section and timeline PNGs.
+"""
+from __future__ import annotations
+
+import sys
+
+from benchmarks import harness
+
+BENCH = harness.Bench(
+    builder="overlapc.models.moe:build_ep", stem="moe",
+    section="Expert-parallel MoE layer (issue 6)", title="EP MoE layer",
+    describe="MoE layer, capacity form ({n_experts} experts, top-{top_k}, capacity factor {capacity_factor}, "
+             "dim {dim}, hidden {hidden}, {tokens} tokens per rank, expert GEMMs as {expert_form}, fp32)")
+
+
+def main(argv=None):
+    p = harness.parser("python -m benchmarks.bench_moe")
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--capacity-factor", type=float, default=1.25)
+    p.add_argument("--form", default="bmm", choices=["bmm", "loop"])
+    args = p.parse_args(argv)
+    model = dict(tokens=args.tokens, dim=args.dim, hidden=args.hidden, n_experts=args.experts,
+                 top_k=args.top_k, capacity_factor=args.capacity_factor, expert_form=args.form)
+    return harness.main(BENCH, args, model, "sudo python -m benchmarks.bench_moe", "benchmarks.bench_moe")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""One benchmark driver for every model: compile three variants, calibrate the link,
+time them interleaved, replay the collectives, draw a timeline, write the table.
+
+A benchmark module gives a :class:`Bench`: how to build its model on a 1-D mesh (returns
+``(module, example_inputs)``), the loss of a training step, and its names. See
+benchmarks/common.py for the definitions of T_base, T_overlapc, T_compute, T_comm and E.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import statistics
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import common
+
+
+@dataclass(frozen=True)
+class Bench:
+    builder: str
+    """"module:function" building (model, inputs) on a 1-D mesh from keyword arguments."""
+    stem: str
+    """File stem under benchmarks/results/ (json, timeline PNGs)."""
+    section: str
+    """BENCHMARKS.md section title."""
+    title: str
+    """What the model is, for timeline titles."""
+    describe: str
+    """Format string of the table's first line, filled from the model's keyword arguments."""
+
+
+def _build(cfg):
+    mod, fn = cfg["builder"].split(":")
+    return getattr(importlib.import_module(mod), fn)
+
+
+def _variants(cfg):
+    """The three compiled copies of the model (same seed: same weights) and their backends."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from overlapc import Backend, Options
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    inner = cfg["inner"]
+    opts = {
+        "base": Options(inner=inner, strategy="none", schedule=False),
+        "overlapc": Options(inner=inner, strategy="decompose", chunks=cfg["chunks"],
+                            overrides=cfg.get("overrides", {})),
+        "compute": Options(inner=inner, strategy="none", schedule=False),
+    }
+    out = {}
+    for name, o in opts.items():
+        # Inputs as built: a float input that requires grad stands for an earlier layer's
+        # output (the MoE's dispatch all-to-all has a backward only then).
+        model, inputs = _build(cfg)(mesh, **cfg["model"])
+        be = Backend(o, extra_passes=(common.strip_collectives,) if name == "compute" else ())
+        out[name] = (torch.compile(model, backend=be), model, be, inputs)
+    return out
+
+
+def _step_fn(compiled, model, inputs, mode):
+    if mode == "forward":
+        def step():
+            with torch.no_grad():
+                compiled(*inputs)
+    else:
+        def step():
+            for p in [*model.parameters(), *inputs]:
+                if isinstance(p, torch.Tensor):
+                    p.grad = None
+            compiled(*inputs).float().pow(2).mean().backward()
+    return step
+
+
+def bench_job(cfg: dict) -> dict:
+    """On every rank: compile, warm up, time interleaved; comm replay; one profiled step."""
+    torch.manual_seed(0)
+    variants = _variants(cfg)
+    steps = {n: _step_fn(c, m, x, cfg["mode"]) for n, (c, m, be, x) in variants.items()
+             if n in cfg.get("variants", variants)}
+    for s in steps.values():  # compile + warm up
+        s()
+        s()
+    if cfg.get("smoke"):  # run the steps only (debugging)
+        for s in steps.values():
+            for _ in range(cfg["iters"]):
+                s()
+        return {}
+    graphs = ("inference",) if cfg["mode"] == "forward" else ("forward", "backward")
+    calls = common.collective_calls(variants["base"][2].report, graphs)
+    if cfg.get("calibrate"):
+        comp = [common.timed(steps["compute"]) for _ in range(3)]
+        comm = [common.replay_comm(calls) for _ in range(3)]
+        return {"t_compute": statistics.median(comp), "t_comm": statistics.median(comm)}
+    times = common.interleaved(steps, cfg["iters"])
+    comm = [common.replay_comm(calls) for _ in range(cfg["iters"])]
+    result = common.summary(times, comm)
+    result["times"] = times
+    result["n_collectives"] = len(calls)
+    rep = variants["overlapc"][2].report
+    result["sites"] = {
+        "rewritten": sum(1 for s in rep.sites if s.status == "rewritten"),
+        "skipped": [f"{s.name}: {s.reason}" for s in rep.sites if s.status == "skipped"],
+    }
+    if cfg.get("profile"):  # every rank runs the step; rank 0's timeline is kept
+        result["timeline"] = common.profile_events(steps["overlapc"])
+        result["timeline_base"] = common.profile_events(steps["base"])
+    return result
+
+
+def run(bench: Bench, model: dict, args) -> list[dict]:
+    from benchmarks.cluster import EmulatedCluster
+
+    rows = []
+    EmulatedCluster.cleanup_stale()
+    for world_size in args.world_sizes:
+        for mode in args.modes:
+            cfg = dict(builder=bench.builder, model=model, inner=args.inner, chunks=args.chunks,
+                       mode=mode, iters=args.iters)
+            rate = 400.0 if args.rate == "auto" else float(args.rate)
+            with EmulatedCluster(world_size, rate_mbit=rate) as cluster:
+                with cluster.world(timeout=3600) as world:
+                    if args.rate == "auto":
+                        # T_comm scales with 1/rate: aim at T_comm == T_compute.
+                        for _ in range(2):
+                            cal = world.run(bench_job, {**cfg, "calibrate": True})[0]
+                            rate = rate * cal["t_comm"] / cal["t_compute"]
+                            cluster.set_rate(round(rate, 1))
+                            print(f"  calibrate w{world_size} {mode}: compute {cal['t_compute']*1e3:.0f} ms, "
+                                  f"comm {cal['t_comm']*1e3:.0f} ms -> rate {rate:.0f} Mbit/s", flush=True)
+                    res = world.run(bench_job, {**cfg, "profile": args.timeline})[0]
+            res.update(world_size=world_size, mode=mode, rate_mbit=round(rate, 1), inner=args.inner,
+                       chunks=args.chunks, model=model)
+            print(f"w{world_size} {mode:8s} rate {rate:6.0f} Mbit/s  base {res['t_base']*1e3:7.1f} ms  "
+                  f"overlapc {res['t_overlapc']*1e3:7.1f} ms  compute {res['t_compute']*1e3:7.1f} ms  "
+                  f"comm {res['t_comm']*1e3:7.1f} ms  speedup {res['speedup']:.2f}x  E {res['efficiency']:.2f}",
+                  flush=True)
+            rows.append(res)
+    return rows
+
+
+def report(bench: Bench, rows, args, cmd: str, extra: str = "") -> None:
+    # One section (and file set) per inner compiler, so an inductor run keeps the eager table.
+    tag = "" if args.inner == "eager" else f"_{args.inner}"
+    for r in rows:
+        for key, who in (("timeline", "overlapc"), ("timeline_base", "baseline")):
+            tl = r.pop(key, None)
+            if not tl:
+                continue
+            suffix = "" if who == "overlapc" else "_baseline"
+            name = f"timeline_{bench.stem}{tag}_w{r['world_size']}_{r['mode']}{suffix}.png"
+            common.timeline_png(tl, os.path.join(common.RESULTS, name),
+                                f"{who}, {bench.title}, world {r['world_size']}, {r['mode']} step, rank 0")
+            if who == "overlapc":
+                r["timeline_png"] = f"benchmarks/results/{name}"
+    common.write_json(f"{bench.stem}{tag}.json", rows)
+    lines = [
+        bench.describe.format(**rows[0]["model"]) + f", inner={rows[0]['inner']}, chunks={rows[0]['chunks']}, "
+        f"emulated cluster (one network namespace per rank, veth + bridge, tbf), one torch thread per rank, "
+        f"2 CPU cores. Medians of {args.iters} interleaved steps; T_comm = the step's collectives replayed "
+        "alone; T_compute = the step with collectives replaced by local copies. "
+        "E = (T_base - T_overlapc) / min(T_compute, T_comm).",
+        "",
+        f"Reproduce: `{cmd}`",
+        "",
+        "| world | step | link Mbit/s | T_base ms | T_overlapc ms | T_compute ms | T_comm ms | speedup | E | ideal speedup |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['world_size']} | {r['mode']} | {r['rate_mbit']:.0f} | {r['t_base']*1e3:.1f} | "
+                     f"{r['t_overlapc']*1e3:.1f} | {r['t_compute']*1e3:.1f} | {r['t_comm']*1e3:.1f} | "
+                     f"{r['speedup']:.2f}x | {r['efficiency']:.2f} | {r['ideal_speedup']:.2f}x |")
+    pngs = [r["timeline_png"] for r in rows if r.get("timeline_png")]
+    if pngs:
+        lines += ["", "One overlapc step (rank 0): GEMM chunks (dark blue) run while collectives (red) are "
+                      "on the wire. Baseline timelines are beside them (`*_baseline.png`).", ""]
+        lines += [f"![timeline]({p})" for p in pngs[:2]]
+    if extra:
+        lines += ["", extra]
+    section = bench.section if not tag else f"{bench.section}, inner={args.inner}"
+    common.update_benchmarks_md(section, "\n".join(lines))
+
+
+def parser(prog: str) -> argparse.ArgumentParser:
+    """The options every benchmark takes; a benchmark adds its model's own."""
+    p = argparse.ArgumentParser(prog=prog)
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--modes", nargs="+", default=["train", "forward"], choices=["train", "forward"])
+    p.add_argument("--rate", default="auto", help="link rate in Mbit/s, or 'auto' (T_comm ~ T_compute)")
+    p.add_argument("--inner", default="eager", choices=["eager", "inductor"])
+    p.add_argument("--chunks", default="auto", type=lambda s: s if s == "auto" else int(s))
+    p.add_argument("--iters", type=int, default=7)
+    p.add_argument("--no-timeline", dest="timeline", action="store_false")
+    p.add_argument("--default-cmd", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main(bench: Bench, args, model: dict, default_cmd: str, module: str) -> int:
+    rows = run(bench, model, args)
+    cmd = default_cmd if args.default_cmd else f"python -m {module} " + " ".join(sys.argv[1:])
+    report(bench, rows, args, cmd)
+    return 0
