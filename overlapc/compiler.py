@@ -230,7 +230,7 @@ def reorder_scheduler_nodes(nodes: list) -> list:
         for name in n.get_operation_names():
             producer.setdefault(name, n)
     preds = {n: [producer[d.name] for d in n.unmet_dependencies if d.name in producer] for n in nodes}
-    # Scheduling edges the FX schedule recorded (see passes/schedule.serialize_all_gathers).
+    # Scheduling edges the FX schedule recorded (see passes/schedule.serialize_collectives).
     by_origin = {}
     for n in nodes:
         for o in _origins(n):

@@ -14,8 +14,10 @@ Rewrite (see passes/axis.py): the dispatch all-to-all is issued in chunks along 
 of its buffer that the expert GEMMs keep apart (capacity slots, or whole experts), each
 chunk's GEMMs run as soon as it lands, and a combine all-to-all fed by those GEMMs is
 issued chunk by chunk too. Chosen is the axis whose region reaches the most matmuls and
-all-to-alls. A matmul -> all-to-all site is rewritten as the end of such a region;
-alone (no chunked all-to-all reaches it) it is left untouched with its reason.
+all-to-alls. The region reaches upstream as well (Ulysses: from the all-to-all after the
+q projection back to the projection's weight rows, and over to k and v), so a
+matmul -> all-to-all site is rewritten the same way; each all-to-all a region takes in is
+reported rewritten, "chained_from" the site that took it.
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ class AllToAllMatmulSite(ConsumerSite):
 @dataclass(eq=False)
 class MatmulAllToAllSite(ProducerSite):
     pattern = "matmul_all_to_all"
+    region: ax.Region | None = None
 
     @property
     def dim(self):
@@ -106,63 +109,53 @@ def find_all_to_all_sites(graph: Graph, deps: DepGraph):
 
 SITE = "overlapc_site"
 """node.meta key on a site's collective: the site (set by the lowering before any rewrite)."""
+
 REACHED = "overlapc_reached_by"
-"""node.meta key on a matmul -> all-to-all collective: the site whose region reaches it."""
+"""node.meta key on an all-to-all: the first planned site whose region takes it in."""
+
+A2A_SITES = (AllToAllMatmulSite, MatmulAllToAllSite)
 
 
-def best_region(site: AllToAllMatmulSite, may_chain=lambda coll: True) -> ax.Region | None:
+def best_region(site, may_chain=lambda coll: True) -> ax.Region | None:
     """The region, over every candidate axis, reaching the most matmuls and all-to-alls."""
     best = None
     for a in ax.candidate_axes(site.wait, site.world):
         r = ax.grow(site.wait, a, may_chain)
-        if r.matmuls and (best is None or r.score() > best.score()):
+        if r is not None and r.matmuls and (best is None or r.score() > best.score()):
             best = r
     return best
 
 
-def can_rewrite_consumer(site: AllToAllMatmulSite, deps: DepGraph) -> str | None:
+def can_rewrite(site, deps: DepGraph) -> str | None:
     if not site.world or ax.static_shape(site.wait) is None:
         return "dynamic shapes: chunk sizes would not be known at compile time"
     if not ax.even_splits(site.coll):
         return ("uneven or run-time split sizes: chunk boundaries are not known at compile time "
                 "(the dropless form needs a run-time pipelined op, not built yet)")
     region = best_region(site)
+    reacher = site.coll.meta.get(REACHED)
+    if region is None and reacher is not None:
+        region = reacher.region  # chunked as part of an earlier site's region
     if region is None:
-        return "no axis of the received buffer reaches a matmul through ops that keep chunks apart"
+        return "no axis of the exchanged buffer reaches a matmul through ops that keep chunks apart"
     site.region = region
-    site.details["axis"] = {"dim": region.axis.dim, "extent": region.axis.extent, "inner": region.axis.inner}
-    site.details["chained"] = [t.name for t in region.terminals]
-    for t in region.terminals:
-        t.meta[REACHED] = site
+    _describe(site, region)
+    for c in region.collectives:
+        c.meta.setdefault(REACHED, site)
     return None
 
 
-def consumer_extent(site: AllToAllMatmulSite) -> int:
+def _describe(site, region: ax.Region) -> None:
+    site.details["axis"] = {"dim": region.axis.dim, "extent": region.axis.extent, "inner": region.axis.inner}
+    site.details["chained"] = [c.name for c in region.collectives if c is not site.coll]
+
+
+def chunk_extent(site) -> int:
     return site.region.axis.extent
 
 
-def can_rewrite_producer(site: MatmulAllToAllSite, deps: DepGraph) -> str | None:
-    if site.coll.meta.get(REACHED) is None:
-        return ("no chunked all-to-all region reaches its input: a matmul -> all-to-all is "
-                "only decomposed as the end of one (standalone form not built yet)")
-    return None
-
-
-def producer_extent(site: MatmulAllToAllSite) -> int:
-    return consumer_extent(site.coll.meta[REACHED])
-
-
-def rewrite_producer(site: MatmulAllToAllSite, chunks: int) -> bool:
-    """Reached here only when the region that would chain it was not rewritten."""
-    first = site.coll.meta.get(REACHED)
-    site.status, site.strategy, site.chunks = "skipped", None, None
-    site.reason = (f"the all-to-all region that reaches it ({first.name if first else '?'}) "
-                   f"was not rewritten{': ' + first.reason if first and first.reason else ''}")
-    return False
-
-
-def rewrite_consumer(site: AllToAllMatmulSite, chunks: int) -> None:
-    """Chunk the all-to-all and its region; chain the all-to-alls the region feeds.
+def rewrite(site, chunks: int) -> None:
+    """Chunk the all-to-all and its region; chain the all-to-alls the region reaches.
 
     Before (MoE, capacity form)::
 
@@ -175,50 +168,43 @@ def rewrite_consumer(site: AllToAllMatmulSite, chunks: int) -> None:
         o_c = wait(all_to_all(view_c(h_c)))            # issued as soon as h_c exists
         o   = cat(o_c along the axis)
 
-    Tensors the rest of the graph reads whole (saved activations) are rebuilt from their
-    chunks; reductions over the axis (weight gradients) become sums of per-chunk partials.
+    The region also reaches upstream: in Ulysses attention the head axis goes back through
+    the all-to-all to the q/k/v projections (chunk c = heads c: the projection's weight
+    rows), and forward through attention to the output projection, whose contraction over
+    the heads becomes a sum of per-chunk partials. Tensors the rest of the graph reads
+    whole (saved activations) are rebuilt from their chunks.
     """
     def may_chain(coll):
         other = coll.meta.get(SITE)
-        return other is not None and other.status == "planned"
+        return coll is site.coll or (other is not None and other.status == "planned")
 
     region = best_region(site, may_chain)
+    if region is None:  # planned only as part of a region whose own site was not rewritten
+        reacher = site.coll.meta.get(REACHED)
+        site.status, site.strategy, site.chunks = "skipped", None, None
+        site.reason = ("chunkable only as part of the region of "
+                       f"{reacher.name if reacher else 'another site'}, which was not rewritten"
+                       + (f": {reacher.reason}" if reacher is not None and reacher.reason else ""))
+        return False
+    _describe(site, region)
     graph = site.coll.graph
-    a = region.axis
-    sizes = chunk_sizes(a.extent, chunks)
+    sizes = chunk_sizes(region.axis.extent, chunks)
     b = Builder(graph, like=site.coll)
-
-    def all_to_all(coll, send, n):
-        splits = coll.args[1]
-        per_peer = ax.static_shape(send)[0] // site.world
-        sp = None if splits is None else [per_peer] * len(splits)
-        isp = None if coll.args[2] is None else [per_peer] * len(coll.args[2])
-        out = b.call(ops.ALL_TO_ALL, ax.contiguous(b, send), sp, isp, *coll.args[3:], **coll.kwargs)
-        return b.call(ops.WAIT, out)
-
     with graph.inserting_before(site.coll):
-        send = site.coll.args[0]
-        starts, off = [], 0
-        for n in sizes:
-            starts.append(all_to_all(site.coll, ax.narrow(b, send, a, off, n), n))
-            off += n
-        pieces = ax.replay(b, region, sizes, starts)
-        for t in region.terminals:
-            src = t.args[0]
-            outs = [all_to_all(t, p[src], n) for p, n in zip(pieces, sizes)]
-            tw = ops.wait_of(t)
-            tw.replace_all_uses_with(ax.assemble(b, outs, sizes, region.axes[src], ax.static_shape(tw)))
+        pieces = ax.replay(b, region, sizes)
         for node in region.whole:
             node.replace_all_uses_with(
                 ax.assemble(b, [p[node] for p in pieces], sizes, region.axes[node], ax.static_shape(node)))
         for st in region.steps:
             if st.axis is None:
                 st.node.replace_all_uses_with(ax.add_partials(b, [p[st.node] for p in pieces]))
-    for t in region.terminals:
-        erase_collective(t, ops.wait_of(t))
-        other = t.meta.get(SITE)
-        other.status, other.strategy, other.chunks = "rewritten", "decompose", chunks
-        other.details["chained_from"] = site.name
+    for coll in reversed(region.collectives):
+        remove_dead_nodes(graph)
+        erase_collective(coll, ops.wait_of(coll))
+        other = coll.meta.get(SITE)
+        if other is not None and other is not site:
+            other.status, other.strategy, other.chunks = "rewritten", "decompose", chunks
+            other.details.update(axis=site.details["axis"], chained_from=site.name)
+            other.details.pop("chained", None)
     remove_dead_nodes(graph)
-    erase_collective(site.coll, site.wait)
     site.details["chunk_sizes"] = sizes

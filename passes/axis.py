@@ -23,6 +23,7 @@ chunk when they have the axis, and passed whole when they broadcast over it.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -122,12 +123,26 @@ def _broadcast_treatment(operand: Node, out_shape: list[int], axis: Axis):
 
 def step_of(node: Node, axes: dict[Node, Axis]) -> Step | None:
     """The per-chunk rule for ``node``, one of whose operands is in the region (None: no rule)."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function":
         return None
     t = node.target
+    if t is operator.getitem:
+        src = node.args[0]
+        shape = static_shape(node)
+        if src in axes and shape is not None and axes[src].fits(shape):
+            return Step(node, axes[src], {0: PIECE})
+        return None
+    if not isinstance(t, torch._ops.OpOverload):
+        return None
+    if t in BATCHED:
+        return _batched_step(node, axes)
     out = static_shape(node)
     if out is None:
         return None
+    if t is ops.ALL_TO_ALL and node.args[0] in axes and all_to_all_fits(node, axes[node.args[0]]):
+        return Step(node, axes[node.args[0]], {0: PIECE})
+    if t is ops.WAIT and node.args[0] in axes:
+        return Step(node, axes[node.args[0]], {0: PIECE})
     if t in (ops.aten.stack.default, ops.aten.cat.default):
         return _concat_step(node, axes)
     if any(isinstance(a, (list, tuple)) and any(isinstance(x, Node) for x in a) for a in node.args):
@@ -145,15 +160,7 @@ def step_of(node: Node, axes: dict[Node, Axis]) -> Step | None:
         return Step(node, new, {0: PIECE}, shape_arg)
     if t in ops.PERMUTES and list(reached) == [0]:
         a = axes[node.args[0]]
-        rank = len(out)
-        if t is ops.aten.t.default:
-            perm = [1, 0] if rank == 2 else [0]
-        elif t is ops.aten.transpose.int:
-            d0, d1 = _norm(node.args[1], rank), _norm(node.args[2], rank)
-            perm = list(range(rank))
-            perm[d0], perm[d1] = d1, d0
-        else:
-            perm = [_norm(d, rank) for d in node.args[1]]
+        perm = _perm(node, len(out))
         return Step(node, Axis(perm.index(a.dim), a.extent, a.inner), {0: PIECE})
     if t is ops.aten.select.int and list(reached) == [0]:
         a = axes[node.args[0]]
@@ -201,6 +208,37 @@ def step_of(node: Node, axes: dict[Node, Axis]) -> Step | None:
                 operands[k] = how
         return Step(node, axis, operands)
     return None
+
+
+def _batched(*names):
+    return {getattr(ops.aten, n).default: None for n in names if hasattr(ops.aten, n)}
+
+
+# Ops whose every tensor input and output is (batch, heads, ...): dims 0 and 1 are
+# independent, so chunks along either go through. (CPU flash attention; on GPU the other
+# SDPA kernels also return RNG state and sizes, not handled yet: they end a region.)
+BATCHED = _batched("_scaled_dot_product_flash_attention_for_cpu",
+                   "_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def _batched_step(node: Node, axes: dict[Node, Axis]) -> Step | None:
+    reached = [axes[a] for _, a in _tensor_args(node) if a in axes]
+    if not reached or any(r != reached[0] for r in reached) or reached[0].dim not in (0, 1):
+        return None
+    a = reached[0]
+    if ops.arg(node, "attn_mask") is not None or (ops.arg(node, "dropout_p") or 0.0) != 0.0:
+        return None
+    operands = {}
+    size = None
+    for k, n in _tensor_args(node):
+        shape = static_shape(n)
+        if shape is None or len(shape) < 2 or not a.fits(shape):
+            return None
+        size = shape[a.dim] if size is None else size
+        if shape[a.dim] != size:
+            return None
+        operands[k] = PIECE if n in axes else a
+    return Step(node, a, operands)
 
 
 def _concat_step(node: Node, axes: dict[Node, Axis]) -> Step | None:
@@ -273,20 +311,19 @@ def all_to_all_fits(coll: Node, axis: Axis) -> bool:
     peers' blocks (dim 0 in ``world`` parts) must stay whole around the factor."""
     shape = static_shape(coll.args[0])
     world = ops.world_size(coll)
-    if shape is None or not world or not axis.fits(shape):
+    if shape is None or not world or not axis.fits(shape) or not even_splits(coll):
         return False
     return axis.dim != 0 or axis.outer(shape) % world == 0
 
 
 @dataclass
 class Region:
-    start: Node
-    """The wait of the collective the region starts from (or a tensor to narrow)."""
     axis: Axis
     steps: list[Step]
+    """In graph order."""
     axes: dict[Node, Axis]
-    terminals: list[Node]
-    """All-to-alls (even splits) whose input is in the region: rewritten chunk by chunk."""
+    seeds: list[Node]
+    """Tensors from outside the region it reads chunk by chunk (narrowed)."""
     whole: list[Node]
     """Region nodes that something outside the region reads whole."""
 
@@ -294,42 +331,163 @@ class Region:
     def matmuls(self) -> list[Node]:
         return [s.node for s in self.steps if s.node.target in ops.MATMULS]
 
+    @property
+    def collectives(self) -> list[Node]:
+        return [s.node for s in self.steps if s.node.target is ops.ALL_TO_ALL]
+
     def score(self) -> tuple:
-        return (len(self.matmuls) + 2 * len(self.terminals), self.axis.extent)
+        """Most all-to-alls overlapped first; then room for a pipeline (up to 8 chunks);
+        then the most matmuls chunked."""
+        return (len(self.collectives), min(self.axis.extent, 8), len(self.matmuls), self.axis.extent)
 
 
-def grow(start: Node, axis: Axis, may_chain=lambda coll: True) -> Region:
-    """The region reached from ``start`` chunked along ``axis``."""
-    graph = start.graph
-    axes: dict[Node, Axis] = {start: axis}
-    steps: list[Step] = []
-    terminals: list[Node] = []
-    seen = False
-    for node in graph.nodes:
-        if not seen:
-            seen = node is start
-            continue
-        if node.op == "output":
-            continue
-        ins = [a for a in node.all_input_nodes if a in axes]
-        if not ins:
-            continue
-        if (node.target is ops.ALL_TO_ALL and node.args[0] in axes and even_splits(node)
-                and ops.wait_of(node) is not None and all_to_all_fits(node, axes[node.args[0]])
-                and may_chain(node)):
-            terminals.append(node)
-            continue
-        st = step_of(node, axes)
-        if st is None or (st.axis is None and ops.val(node).dtype in LOW_PRECISION):
-            # A low-precision reduction over the axis stays whole, on operands rebuilt from
-            # the chunks: per-chunk partials would each be rounded before the sum.
-            continue
-        steps.append(st)
-        if st.axis is not None:
-            axes[node] = st.axis
-    inside = {s.node for s in steps} | set(terminals)
-    whole = [n for n in axes if any(u not in inside for u in n.users)]
-    return Region(start, axis, steps, axes, terminals, whole)
+class _Grower:
+    """Builds a region: pulls the seed's chunks from as far upstream as they can come
+    (through the all-to-all itself, layout ops, matmuls), then grows downstream."""
+
+    def __init__(self, may_chain):
+        self.may_chain = may_chain
+        self.axes: dict[Node, Axis] = {}
+        self.seeds: set[Node] = set()
+        self.steps: dict[Node, Step] = {}
+
+    def _save(self):
+        return dict(self.axes), set(self.seeds), dict(self.steps)
+
+    def _restore(self, saved):
+        self.axes, self.seeds, self.steps = saved
+
+    def pull(self, x: Node, a: Axis) -> bool:
+        """Make ``x``'s chunks along ``a`` available: computed per chunk from its inputs
+        where an op allows it, else narrowed from ``x`` itself (a seed)."""
+        if x in self.axes:
+            return self.axes[x] == a
+        if x.target not in BATCHED:  # those return tuples: their getitems are checked
+            shape = static_shape(x)
+            if shape is None or not a.fits(shape):
+                return False
+        ins = _inputs_for(x, a, self.may_chain)
+        if ins:
+            saved = self._save()
+            if all(self.pull(i, ia) for i, ia in ins):
+                st = step_of(x, self.axes)
+                if st is not None and st.axis == a:
+                    self.steps[x] = st
+                    self.axes[x] = a
+                    return True
+            self._restore(saved)
+        if x.target in BATCHED:
+            return False
+        self.seeds.add(x)
+        self.axes[x] = a
+        return True
+
+    def pull_collective(self, x: Node, a: Axis) -> bool:
+        """pull(), kept only when it brings an all-to-all into the region (else narrowing
+        ``x`` itself is as good and cheaper)."""
+        saved = self._save()
+        before = {n for n in self.steps if n.target is ops.ALL_TO_ALL}
+        if self.pull(x, a) and any(n.target is ops.ALL_TO_ALL and n not in before for n in self.steps):
+            return True
+        self._restore(saved)
+        return False
+
+    def grow(self, graph) -> None:
+        for node in graph.nodes:
+            if node in self.axes or node.op != "call_function":
+                continue
+            if not any(a in self.axes and a not in self.seeds for a in node.all_input_nodes):
+                continue
+            if node.target is ops.ALL_TO_ALL and not self.may_chain(node):
+                continue
+            st = step_of(node, self.axes)
+            if st is None or (st.axis is None and ops.val(node).dtype in LOW_PRECISION):
+                # A low-precision reduction over the axis stays whole, on operands rebuilt from
+                # the chunks: per-chunk partials would each be rounded before the sum.
+                continue
+            for k, how in list(st.operands.items()):
+                arg = node.args[k] if isinstance(k, int) else node.kwargs[k]
+                if isinstance(how, Axis) and isinstance(arg, Node) and self.pull_collective(arg, how):
+                    st.operands[k] = PIECE
+            self.steps[node] = st
+            if st.axis is not None:
+                self.axes[node] = st.axis
+
+
+def _inputs_for(x: Node, a: Axis, may_chain) -> list[tuple[Node, Axis]] | None:
+    """The inputs of ``x`` and their axes from which ``x`` chunked along ``a`` can be
+    computed (None: none; ``x`` is then narrowed)."""
+    if x.op != "call_function":
+        return None
+    t = x.target
+    if t is operator.getitem:
+        src = x.args[0]
+        return [(src, a)] if isinstance(src, Node) and src.target in BATCHED else None
+    if t in BATCHED:
+        if a.dim not in (0, 1):
+            return None
+        return [(n, a) for _, n in _tensor_args(x)]
+    if t in (ops.aten.stack.default, ops.aten.cat.default):
+        d = x.args[1] if len(x.args) > 1 else x.kwargs.get("dim", 0)
+        d = _norm(d, len(static_shape(x) or [0]))
+        if d == a.dim or not all(isinstance(n, Node) for n in x.args[0]):
+            return None
+        ia = Axis(a.dim - (t is ops.aten.stack.default and d < a.dim), a.extent, a.inner)
+        return [(n, ia) for n in x.args[0]]
+    shape = static_shape(x)
+    if t in ops.RESHAPES:
+        src = x.args[0]
+        sa = through_reshape(shape, a, static_shape(src) or [])
+        return [(src, sa)] if sa is not None else None
+    if t in ops.PERMUTES:
+        rank = len(shape)
+        perm = _perm(x, rank)
+        return [(x.args[0], Axis(perm[a.dim], a.extent, a.inner))]
+    if t is ops.WAIT:
+        return [(x.args[0], a)]
+    if t is ops.ALL_TO_ALL:
+        return [(x.args[0], a)] if may_chain(x) and all_to_all_fits(x, a) else None
+    if t is ops.aten.mm.default:
+        return [(x.args[0], a)] if a.dim == 0 else [(x.args[1], a)]
+    if t is ops.aten.bmm.default:
+        return {0: [(x.args[0], a), (x.args[1], a)], 1: [(x.args[0], a)], 2: [(x.args[1], a)]}[a.dim]
+    if _pointwise(x):
+        out = []
+        for _, n in _tensor_args(x):
+            how = _broadcast_treatment(n, shape, a)
+            if how is False:
+                return None
+            if how is not None:
+                out.append((n, how))
+        return out or None
+    return None
+
+
+def _perm(node: Node, rank: int) -> list[int]:
+    """out dim j = in dim perm[j]."""
+    t = node.target
+    if t is ops.aten.t.default:
+        return [1, 0] if rank == 2 else [0]
+    if t is ops.aten.transpose.int:
+        d0, d1 = _norm(node.args[1], rank), _norm(node.args[2], rank)
+        perm = list(range(rank))
+        perm[d0], perm[d1] = d1, d0
+        return perm
+    return [_norm(d, rank) for d in node.args[1]]
+
+
+def grow(start: Node, axis: Axis, may_chain=lambda coll: True) -> Region | None:
+    """The region of ``start`` (a collective's wait) chunked along ``axis`` (None: the
+    collective itself cannot be chunked so)."""
+    g = _Grower(may_chain)
+    if not g.pull(start, axis) or start in g.seeds:
+        return None
+    g.grow(start.graph)
+    order = {n: i for i, n in enumerate(start.graph.nodes)}
+    steps = sorted(g.steps.values(), key=lambda st: order[st.node])
+    inside = set(g.steps)
+    whole = [n for n in g.axes if n not in g.seeds and any(u not in inside for u in n.users)]
+    return Region(axis, steps, g.axes, sorted(g.seeds, key=order.get), sorted(whole, key=order.get))
 
 
 def candidate_axes(node: Node, world: int) -> list[Axis]:
@@ -388,14 +546,20 @@ def contiguous(b: Builder, x: Node) -> Node:
     return x if v is not None and v.is_contiguous() else b.contiguous(x)
 
 
-def replay(b: Builder, region: Region, sizes: list[int], start_pieces: list[Node]) -> list[dict[Node, Node]]:
+def replay(b: Builder, region: Region, sizes: list[int]) -> list[dict[Node, Node]]:
     """Build every step once per chunk; returns, per chunk, region node -> its chunk
     (for sums: its partial)."""
     out = []
     off = 0
-    for c, n in enumerate(sizes):
-        piece: dict[Node, Node] = {region.start: start_pieces[c]}
+    for n in sizes:
         narrowed: dict[tuple, Node] = {}
+
+        def narrow_once(x, a):
+            if (x, a) not in narrowed:
+                narrowed[(x, a)] = narrow(b, x, a, off, n)
+            return narrowed[(x, a)]
+
+        piece: dict[Node, Node] = {x: narrow_once(x, region.axes[x]) for x in region.seeds}
         for st in region.steps:
             node = st.node
 
@@ -406,10 +570,7 @@ def replay(b: Builder, region: Region, sizes: list[int], start_pieces: list[Node
                 if how is PIECE:
                     return piece[a]
                 if isinstance(how, Axis):
-                    key = (a, how)
-                    if key not in narrowed:
-                        narrowed[key] = narrow(b, a, how, off, n)
-                    return narrowed[key]
+                    return narrow_once(a, how)
                 return a
 
             args = [operand(i, a) if isinstance(a, (Node, list, tuple)) else a for i, a in enumerate(node.args)]
@@ -417,6 +578,12 @@ def replay(b: Builder, region: Region, sizes: list[int], start_pieces: list[Node
             if st.shape_arg is not None:
                 pos, shape = st.shape_arg
                 args[pos] = st.axis.resized(shape, n)
+            if node.target is ops.ALL_TO_ALL:
+                args[0] = contiguous(b, args[0])
+                per_peer = static_shape(args[0])[0] // ops.world_size(node)
+                for i in (1, 2):
+                    if args[i] is not None:
+                        args[i] = [per_peer] * len(args[i])
             piece[node] = b.call(node.target, *args, **kwargs)
         out.append(piece)
         off += n

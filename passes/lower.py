@@ -33,8 +33,7 @@ RULES = {
                                       mrs.rewrite_matmul_reduce_scatter),
     mar.MatmulAllReduceSite: Rule(lambda s, deps: mar.can_rewrite(s), mar.chunk_extent,
                                   mar.rewrite_matmul_all_reduce),
-    a2a.AllToAllMatmulSite: Rule(a2a.can_rewrite_consumer, a2a.consumer_extent, a2a.rewrite_consumer),
-    a2a.MatmulAllToAllSite: Rule(a2a.can_rewrite_producer, a2a.producer_extent, a2a.rewrite_producer),
+    **{kind: Rule(a2a.can_rewrite, a2a.chunk_extent, a2a.rewrite) for kind in a2a.A2A_SITES},
 }
 
 

@@ -42,7 +42,7 @@ def remove_dead_nodes(graph: Graph) -> bool:
     for node in reversed(list(graph.nodes)):
         if node.op != "call_function" or node.users:
             continue
-        if ops.is_collective(node) or node.target is ops.WAIT or node.is_impure():
+        if ops.is_collective(node) or node.target is ops.WAIT or ops.is_impure(node):
             continue
         graph.erase_node(node)
         changed = True

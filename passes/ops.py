@@ -57,6 +57,28 @@ def collective_name(node: Node) -> str:
     return MATCHED_COLLECTIVES.get(node.target) or node.target._schema.name.split("::")[-1]
 
 
+def arg(node: Node, name: str, default=None):
+    """Argument ``name`` of an OpOverload call, positional or keyword."""
+    for i, a in enumerate(node.target._schema.arguments):
+        if a.name == name:
+            return node.args[i] if i < len(node.args) else node.kwargs.get(name, default)
+    return default
+
+
+def is_impure(node: Node) -> bool:
+    """``node.is_impure()``, except ops tagged nondeterministic_seeded only for a dropout
+    whose probability is 0 (attention kernels): they draw no random numbers then, so they
+    may be removed when dead and reordered like any pure op."""
+    t = node.target
+    if (node.op == "call_function" and isinstance(t, torch._ops.OpOverload)
+            and any(a.name == "dropout_p" for a in t._schema.arguments) and arg(node, "dropout_p", 0.0) == 0.0):
+        try:
+            return node.is_impure(impure_random=False)
+        except TypeError:  # a torch without the switch
+            pass
+    return node.is_impure()
+
+
 def is_matmul(node: Node) -> bool:
     return node.op == "call_function" and node.target in MATMULS
 

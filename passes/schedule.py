@@ -38,7 +38,7 @@ def _is_barrier(node: Node) -> bool:
         return False
     if ops.is_collective(node) or node.target is ops.WAIT:
         return False
-    return node.is_impure()
+    return ops.is_impure(node)
 
 
 def dependency_dag(graph: Graph) -> nx.DiGraph:
@@ -167,17 +167,22 @@ def list_schedule(items: list, preds: dict, early: set, late: set, collectives: 
     return order
 
 
-# Backends on which at most one all-gather per group may be in flight. gloo (torch 2.13,
-# CPU) corrupts the heap when two functional all-gathers of one group are outstanding at
-# once over a slow link (reproduced with 1 and 2 gloo worker threads; one at a time never
-# fails), so each all-gather there is issued only after the previous one was waited on.
-SERIAL_ALL_GATHER_BACKENDS = ("gloo",)
+# Backends on which at most one all-gather (and one all-to-all) per group may be in flight.
+# gloo (torch 2.13, CPU) corrupts the heap when two functional all-gathers of one group are
+# outstanding at once over a slow link (reproduced with 1 and 2 gloo worker threads; one at
+# a time never fails); chunked all-to-alls in flight together ended a later test with
+# "malloc(): unaligned tcache chunk detected". So each one there is issued only after the
+# previous one of its kind was waited on. The pipeline survives: chunk c + 1 is issued when
+# chunk c arrives, and travels while chunk c is computed.
+SERIAL_BACKENDS = ("gloo",)
+SERIAL_OPS = (ops.ALL_GATHER, ops.ALL_TO_ALL)
 ISSUE_AFTER = "overlapc_issue_after"
 """node.meta key: name of the wait a collective must not be issued before (a scheduling edge)."""
 
 
-def serialize_all_gathers(nodes: list[Node]) -> dict[Node, Node]:
-    """{all-gather: the previous all-gather's wait} for groups on SERIAL_ALL_GATHER_BACKENDS.
+def serialize_collectives(nodes: list[Node]) -> dict[Node, Node]:
+    """{all-gather: the previous all-gather's wait} for groups on SERIAL_BACKENDS;
+    the same for all-to-alls.
 
     Also records the edge in node.meta[ISSUE_AFTER], for schedulers that see the graph
     through another representation (the inductor hook in overlapc.compiler). Adding it
@@ -185,22 +190,23 @@ def serialize_all_gathers(nodes: list[Node]) -> dict[Node, Node]:
     cannot depend on the next one.
     """
     after: dict[Node, Node] = {}
-    last_wait: dict[str, Node] = {}
+    last_wait: dict[tuple, Node] = {}
     serial: dict[str, bool] = {}
     for n in nodes:
-        if n.target is not ops.ALL_GATHER:
+        if n.target not in SERIAL_OPS:
             continue
         g = ops.group_name(n)
         if g not in serial:
-            serial[g] = ops.group_backend(g) in SERIAL_ALL_GATHER_BACKENDS
+            serial[g] = ops.group_backend(g) in SERIAL_BACKENDS
         if not serial[g]:
             continue
-        if g in last_wait:
-            after[n] = last_wait[g]
-            n.meta[ISSUE_AFTER] = last_wait[g].name
+        key = (g, n.target)
+        if key in last_wait:
+            after[n] = last_wait[key]
+            n.meta[ISSUE_AFTER] = last_wait[key].name
         w = ops.wait_of(n)
         if w is not None:
-            last_wait[g] = w
+            last_wait[key] = w
     return after
 
 
@@ -214,7 +220,7 @@ def schedule(graph: Graph) -> bool:
     early = _feeders(dag, colls)
     late = _waiters(dag, [n for n in nodes if n.target is ops.WAIT])
     preds = {n: list(dag.predecessors(n)) for n in nodes}
-    for n, w in serialize_all_gathers(nodes).items():
+    for n, w in serialize_collectives(nodes).items():
         preds[n].append(w)
     return _apply_order(graph, nodes, list_schedule(nodes, preds, early, late, collectives=set(colls)))
 

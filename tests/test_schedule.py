@@ -16,7 +16,7 @@ import torch.distributed._functional_collectives as funcol
 import overlapc
 from overlapc.explain import capture
 from overlapc.passes import ops
-from overlapc.passes.schedule import ISSUE_AFTER, list_schedule, serialize_all_gathers
+from overlapc.passes.schedule import ISSUE_AFTER, list_schedule, serialize_collectives
 
 CHUNKS = 3
 
@@ -150,7 +150,7 @@ def test_gloo_all_gathers_are_chained(fake_mesh8, monkeypatch):
         # ... but it is issued before the previous chunk's GEMM, which it overlaps
         mm = next(u for u in w.users if u.target is ops.aten.mm.default)
         assert pos[nxt] < pos[mm]
-    assert len(serialize_all_gathers(seq)) == CHUNKS - 1
+    assert len(serialize_collectives(seq)) == CHUNKS - 1
 
 
 @pytest.mark.slow

@@ -123,6 +123,23 @@ def test_moe_decomposed_along_capacity(fake_mesh8, form):
         assert s.details["chained_from"].endswith("all_to_all_matmul")
 
 
+def test_ulysses_one_region_per_graph(fake_mesh8):
+    """Ulysses at world 8 with 32 heads (4 local): forward has 3 matmul -> all-to-all sites
+    (q, k, v projections) and 1 all-to-all -> matmul (output projection); backward the
+    mirror. The first site of each graph takes all four all-to-alls into one region
+    chunked along the local heads; the others are reported as chained into it."""
+    from overlapc.models import ulysses
+    model, inputs = ulysses.build_ulysses(fake_mesh8, batch=2, seq=64, dim=256, n_heads=32)
+    report = overlapc.explain(model, *inputs, options={"strategy": "decompose", "chunks": 4})
+    assert counts(report) == {"forward/matmul_all_to_all": 3, "forward/all_to_all_matmul": 1,
+                              "backward/matmul_all_to_all": 1, "backward/all_to_all_matmul": 3}
+    for graph in ("forward", "backward"):
+        first, *rest = [s for s in report.sites if s.graph == graph]
+        assert first.status == "rewritten" and len(first.details["chained"]) == 3, str(report)
+        assert first.details["axis"]["extent"] == 4
+        assert all(s.status == "rewritten" and s.details["chained_from"] == first.name for s in rest)
+
+
 def _a2a_program(group, variant):
     import torch
     import torch.distributed._functional_collectives as funcol
