@@ -191,7 +191,14 @@ def rewrite(site, chunks: int) -> None:
     sizes = chunk_sizes(region.axis.extent, chunks)
     b = Builder(graph, like=site.coll)
     with graph.inserting_before(site.coll):
-        pieces = ax.replay(b, region, sizes)
+        try:
+            pieces = ax.replay(b, region, sizes)
+        except Exception as e:  # an op refused its chunk shapes: leave the graph as it was
+            for n in reversed(b.created):
+                graph.erase_node(n)
+            site.status, site.strategy, site.chunks = "skipped", None, None
+            site.reason = f"chunked replay of the region failed ({type(e).__name__}: {str(e)[:200]}); left unchanged"
+            return False
         for node in region.whole:
             node.replace_all_uses_with(
                 ax.assemble(b, [p[node] for p in pieces], sizes, region.axes[node], ax.static_shape(node)))
