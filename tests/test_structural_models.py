@@ -140,6 +140,23 @@ def test_ulysses_one_region_per_graph(fake_mesh8):
         assert all(s.status == "rewritten" and s.details["chained_from"] == first.name for s in rest)
 
 
+def test_failed_region_replay_leaves_graph_unchanged(fake_mesh8, monkeypatch):
+    """If building the chunks fails midway (an op refusing its chunk shapes), the nodes
+    built so far are removed and the site is skipped with the error: never half-rewritten."""
+    from overlapc.passes import axis
+
+    def replay(b, region, sizes):
+        b.view(region.seeds[0], axis.static_shape(region.seeds[0]))  # something built already
+        raise RuntimeError("chunk shape refused")
+
+    monkeypatch.setattr(axis, "replay", replay)
+    model, inputs = moe.build_ep(fake_mesh8, tokens=64)
+    report = overlapc.explain(model, *inputs, options={"strategy": "decompose"})
+    sites = [s for s in report.sites if s.pattern != "collective"]
+    assert len(sites) == 4 and all(s.status == "skipped" and "chunk shape refused" in s.reason
+                                   for s in sites), str(report)
+
+
 def _a2a_program(group, variant):
     import torch
     import torch.distributed._functional_collectives as funcol

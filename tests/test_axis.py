@@ -1,0 +1,49 @@
+"""Axis tracking (passes/axis.py) on real tensors: a chunk taken before a reshape, then
+reshaped, equals the chunk taken after it along the mapped axis; None only when the
+reshape splits the factor."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from overlapc.passes.axis import Axis, through_reshape
+
+
+def take(t: torch.Tensor, a: Axis, start: int, n: int) -> torch.Tensor:
+    s = list(t.shape)
+    o = a.outer(s)
+    v = t.reshape(s[:a.dim] + [o, a.extent, a.inner] + s[a.dim + 1:])
+    return v.narrow(a.dim + 1, start, n).reshape(a.resized(s, n))
+
+
+CASES = [
+    # (src shape, axis on src, dst shape): MoE dispatch / combine, Ulysses, flattening
+    ([256, 64], Axis(0, 32), [2, 4, 32, 64]),        # capacity slots of (E*cap, d) -> (ep, n_local, cap, d)
+    ([4, 2, 32, 64], Axis(2, 32), [4, 64, 64]),       # (n_local, ep, cap, d) -> (n_local, ep*cap, d)
+    ([4, 64, 64], Axis(1, 32), [4, 2, 32, 64]),
+    ([2, 4, 32, 64], Axis(2, 32), [256, 64]),
+    ([32, 2, 4, 8], Axis(2, 4), [32, 64]),            # local heads inside the model dim
+    ([6, 10], Axis(1, 5, 2), [60]),
+    ([6, 10], Axis(0, 3, 1), [2, 3, 10]),
+]
+
+
+@pytest.mark.parametrize("src,a,dst", CASES)
+def test_chunk_commutes_with_reshape(src, a, dst):
+    t = torch.arange(math.prod(src)).reshape(src)
+    b = through_reshape(src, a, dst)
+    assert b is not None and b.fits(dst)
+    for start, n in ((0, 1), (1, a.extent - 1), (0, a.extent)):
+        before = take(t, a, start, n).reshape(b.resized(dst, n))
+        torch.testing.assert_close(before, take(t.reshape(dst), b, start, n), rtol=0, atol=0)
+
+
+def test_split_factor_is_refused():
+    # (6, 10) -> (4, 15): the extent-5 factor of dim 1 straddles the new dims
+    assert through_reshape([6, 10], Axis(1, 5, 2), [4, 15]) is None
+    # (8, 3) -> (2, 12): rows factor 4 (inner 1) of dim 0 is cut by the new dim boundary
+    assert through_reshape([8, 3], Axis(0, 4, 2), [2, 12]) is None
+    # 6 = 2 x 3 read as 3 x 2: the extent-3 factor straddles both new dims
+    assert through_reshape([6, 10], Axis(0, 3, 1), [3, 2, 10]) is None
