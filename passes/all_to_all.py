@@ -154,6 +154,13 @@ def chunk_extent(site) -> int:
     return site.region.axis.extent
 
 
+def auto_chunks(extent: int) -> int:
+    """chunks="auto" for a region: one axis index is a whole slab (a capacity slot of every
+    expert, one head over the whole sequence), not a row, so the planner's 32-rows rule
+    does not apply; as many chunks as the row rule's maximum (4), at most one per index."""
+    return max(2, min(4, extent))
+
+
 def rewrite(site, chunks: int) -> None:
     """Chunk the all-to-all and its region; chain the all-to-alls the region reaches.
 

@@ -25,6 +25,8 @@ class Rule:
     extent: Callable[[MatchedSite], int]
     rewrite: Callable[[MatchedSite, int], bool | None]
     """Rewrites the site; returns False when it decided not to (and set the site's reason)."""
+    auto_chunks: Callable[[int], int] | None = None
+    """chunks="auto" from the extent, where the planner's row rule does not fit."""
 
 
 RULES = {
@@ -33,7 +35,7 @@ RULES = {
                                       mrs.rewrite_matmul_reduce_scatter),
     mar.MatmulAllReduceSite: Rule(lambda s, deps: mar.can_rewrite(s), mar.chunk_extent,
                                   mar.rewrite_matmul_all_reduce),
-    **{kind: Rule(a2a.can_rewrite, a2a.chunk_extent, a2a.rewrite) for kind in a2a.A2A_SITES},
+    **{kind: Rule(a2a.can_rewrite, a2a.chunk_extent, a2a.rewrite, a2a.auto_chunks) for kind in a2a.A2A_SITES},
 }
 
 

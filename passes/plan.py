@@ -56,7 +56,7 @@ def plan_sites(sites: list[MatchedSite], options: Options, deps: DepGraph) -> No
             site.reason = why
             continue
         extent = rule.extent(site)
-        n = auto_chunks(extent) if chunks == "auto" else chunks
+        n = (rule.auto_chunks or auto_chunks)(extent) if chunks == "auto" else chunks
         if n > extent:
             if chunks != "auto":
                 site.details["chunks_clamped"] = f"{chunks} -> {extent}: only {extent} rows to split"
