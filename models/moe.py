@@ -14,6 +14,14 @@ capacity are dropped (their output is zero), as in GShard/Switch.
 
 ``expert_form`` chooses how the expert GEMMs are written: ``"bmm"`` (one batched matmul
 over local experts) or ``"loop"`` (a Python loop of per-expert matmuls).
+
+The dropless form (``form="dropless"``) drops nothing: tokens are sorted by expert, the
+per-expert counts are exchanged first, and the all-to-alls move an uneven number of rows
+(split sizes from ``.tolist()``: capture them with
+``torch._dynamo.config.capture_scalar_outputs = True``, or dynamo breaks the graph there).
+The experts run as grouped matmuls (``torch._grouped_mm``, ``expert_form="grouped"``) over
+the received rows, one group per (source rank, local expert). torch's meta kernel of
+``_grouped_mm`` accepts only bf16 on CPU, so compile this form in bf16.
 """
 from __future__ import annotations
 
@@ -37,7 +45,9 @@ class MoEConfig:
     capacity_factor: float = 2.0
     """Slots per expert = ceil(capacity_factor * tokens * top_k / n_experts)."""
     expert_form: str = "bmm"
-    """How expert GEMMs are written: "bmm" or "loop"."""
+    """How expert GEMMs are written: "bmm" or "loop" (capacity form), "grouped" (dropless form)."""
+    form: str = "capacity"
+    """"capacity" (padded slots, even all-to-alls) or "dropless" (uneven, run-time splits)."""
     skew: float = 0.0
     """Router logit bias: +skew for expert 0, -skew for the upper half of the experts.
     Large values send most tokens to expert 0 (over capacity: dropped) and none to the
@@ -45,8 +55,14 @@ class MoEConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.expert_form not in ("bmm", "loop"):
-            raise ValueError(f"MoEConfig.expert_form={self.expert_form!r}; allowed: 'bmm', 'loop'")
+        if self.form not in ("capacity", "dropless"):
+            raise ValueError(f"MoEConfig.form={self.form!r}; allowed: 'capacity', 'dropless'")
+        if self.form == "dropless" and self.expert_form == "bmm":
+            self.expert_form = "grouped"  # the default, adapted to the form
+        allowed = ("bmm", "loop") if self.form == "capacity" else ("grouped",)
+        if self.expert_form not in allowed:
+            raise ValueError(f"MoEConfig.expert_form={self.expert_form!r} with form={self.form!r}; "
+                             f"allowed: {', '.join(map(repr, allowed))}")
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"MoEConfig.top_k={self.top_k} must be in 1..n_experts={self.n_experts}")
 
@@ -106,14 +122,19 @@ class MoE(nn.Module):
             outs.append(h @ self.w2[e])
         return torch.stack(outs)
 
+    def _route(self, x):
+        probs = torch.softmax(x.float() @ self.router.float() + self.router_bias, dim=-1)
+        gate, expert = torch.topk(probs, self.cfg.top_k, dim=-1)            # (t, k)
+        return (gate / gate.sum(-1, keepdim=True)).to(x.dtype), expert
+
     def forward(self, x):
         """x: (tokens, dim) local to this rank -> (tokens, dim)."""
+        if self.cfg.form == "dropless":
+            return self._forward_dropless(x)
         cfg = self.cfg
         t, d = x.shape
         cap = capacity(cfg, t)
-        probs = torch.softmax(x.float() @ self.router.float() + self.router_bias, dim=-1)
-        gate, expert = torch.topk(probs, cfg.top_k, dim=-1)                 # (t, k)
-        gate = (gate / gate.sum(-1, keepdim=True)).to(x.dtype)
+        gate, expert = self._route(x)
         # Position of each (token, choice) in its expert's slots, in token order.
         onehot = F.one_hot(expert.reshape(-1), cfg.n_experts)                  # (t*k, E)
         pos = ((torch.cumsum(onehot, 0) - 1) * onehot).sum(-1)                # (t*k,)
@@ -133,6 +154,36 @@ class MoE(nn.Module):
         back = torch.cat([back, back.new_zeros(1, d)])
         y = back[slot] * (gate.reshape(-1, 1) * keep.unsqueeze(1).to(x.dtype))
         return y.view(t, cfg.top_k, d).sum(1)
+
+    def _forward_dropless(self, x):
+        cfg, ep, n_local = self.cfg, self.ep, self.n_local
+        t, d = x.shape
+        gate, expert = self._route(x)
+        flat = expert.reshape(-1)                                              # (t*k,)
+        order = torch.argsort(flat, stable=True)                               # by global expert
+        tok = order // cfg.top_k
+        xs = x[tok]                                                            # (t*k, d)
+        counts = F.one_hot(flat, cfg.n_experts).sum(0)                         # tokens per expert
+        if self.group is None:
+            counts_recv, in_splits, out_splits = counts, None, None
+            recv = xs
+        else:
+            from torch.distributed import _functional_collectives as fc
+            # counts_recv[r * n_local + e]: tokens rank r sends to my local expert e.
+            counts_recv = fc.wait_tensor(fc.all_to_all_single(counts, None, None, self.group))
+            in_splits = counts.view(ep, n_local).sum(1).tolist()
+            out_splits = counts_recv.view(ep, n_local).sum(1).tolist()
+            recv = fc.all_to_all_single_autograd(xs, out_splits, in_splits, self.group)
+        # One group per (source rank, local expert), in the order rows arrive.
+        offs = torch.cumsum(counts_recv, 0).to(torch.int32)
+        w1, w3, w2 = (w.repeat(ep, 1, 1) for w in (self.w1, self.w3, self.w2))
+        h = F.silu(torch._grouped_mm(recv, w1, offs=offs)) * torch._grouped_mm(recv, w3, offs=offs)
+        out = torch._grouped_mm(h, w2, offs=offs)
+        if self.group is not None:
+            from torch.distributed._functional_collectives import all_to_all_single_autograd
+            out = all_to_all_single_autograd(out, in_splits, out_splits, self.group)
+        weighted = out * gate.reshape(-1)[order].unsqueeze(1)
+        return x.new_zeros(t, d).index_add(0, tok, weighted)
 
 
 def example_tokens(cfg: MoEConfig, tokens: int, seed: int = 1, dtype=torch.float32):

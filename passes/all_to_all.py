@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from torch.fx import Graph, Node
 
 from . import axis as ax
+from . import dropless
 from . import ops
 from .build import Builder, chunk_sizes
 from .deps import DepGraph
@@ -46,6 +47,8 @@ def _static_splits(s) -> bool:
 class AllToAllMatmulSite(ConsumerSite):
     pattern = "all_to_all_matmul"
     region: ax.Region | None = None
+    pipeline: object | None = None
+    """A dropless.Pipeline: run-time splits, chunked by the run-time op."""
 
     @property
     def dim(self):
@@ -56,6 +59,7 @@ class AllToAllMatmulSite(ConsumerSite):
 class MatmulAllToAllSite(ProducerSite):
     pattern = "matmul_all_to_all"
     region: ax.Region | None = None
+    pipeline: object | None = None
 
     @property
     def dim(self):
@@ -127,11 +131,10 @@ def best_region(site, may_chain=lambda coll: True) -> ax.Region | None:
 
 
 def can_rewrite(site, deps: DepGraph) -> str | None:
+    if not ax.even_splits(site.coll):
+        return dropless.can_pipeline(site, deps)
     if not site.world or ax.static_shape(site.wait) is None:
         return "dynamic shapes: chunk sizes would not be known at compile time"
-    if not ax.even_splits(site.coll):
-        return ("uneven or run-time split sizes: chunk boundaries are not known at compile time "
-                "(the dropless form needs a run-time pipelined op, not built yet)")
     region = best_region(site)
     reacher = site.coll.meta.get(REACHED)
     if region is None and reacher is not None:
@@ -151,7 +154,18 @@ def _describe(site, region: ax.Region) -> None:
 
 
 def chunk_extent(site) -> int:
+    if site.pipeline is not None:
+        return RUNTIME_EXTENT
     return site.region.axis.extent
+
+
+def _sites_of(coll: Node) -> list:
+    s = coll.meta.get(SITE)
+    return [s] if s is not None else []
+
+
+RUNTIME_EXTENT = 1 << 30
+"""The extent of a dropless pipeline: rows are counted at run time (chunks may be empty)."""
 
 
 def auto_chunks(extent: int) -> int:
@@ -181,6 +195,9 @@ def rewrite(site, chunks: int) -> None:
     the heads becomes a sum of per-chunk partials. Tensors the rest of the graph reads
     whole (saved activations) are rebuilt from their chunks.
     """
+    if site.pipeline is not None:
+        return dropless.rewrite(site, chunks, _sites_of)
+
     def may_chain(coll):
         other = coll.meta.get(SITE)
         return coll is site.coll or (other is not None and other.status == "planned")

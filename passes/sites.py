@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import torch
 from torch.fx import Node
 
 from overlapc.report import Site
@@ -44,10 +45,12 @@ class MatchedSite:
         v = ops.val(self.coll.args[0])
         if v is None:
             return None
-        try:
-            return int(v.numel()) * v.element_size()
-        except TypeError:  # symbolic
-            return None
+        n = v.numel()
+        if isinstance(n, torch.SymInt):
+            if not n.node.expr.is_number:  # symbolic (dynamic or run-time sizes)
+                return None
+            n = int(n.node.expr)
+        return int(n) * v.element_size()
 
     def module(self) -> str | None:
         paths = [p for p in (ops.module_path(m) for m in self.matmuls) if p]
@@ -136,8 +139,12 @@ def _plain(x):
         return {k: _plain(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [_plain(v) for v in x]
-    if x is None or isinstance(x, (bool, str, float)):
+    if x is None or isinstance(x, (bool, str, float, int)):
         return x
+    if isinstance(x, torch.SymInt):
+        # int() of an unbacked size (a run-time split) would guard on data: keep the formula.
+        expr = x.node.expr
+        return int(expr) if expr.is_number else str(expr)
     try:
         return int(x)
     except (TypeError, ValueError):

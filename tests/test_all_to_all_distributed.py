@@ -1,4 +1,4 @@
-"""All-to-all rewrites (expert-parallel MoE, capacity form) against eager, on every rank.
+"""All-to-all rewrites (expert-parallel MoE, capacity and dropless forms) against eager, on every rank.
 
 The MoE layer (models/moe.py) is compiled with strategy "decompose" and a fixed chunk
 count; its dispatch all-to-all, expert GEMMs and combine all-to-all are chunked along the
@@ -58,8 +58,10 @@ def moe_job(config: dict, routings: list) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     key = tuple(sorted(config.items())) + (world,)
     dtype = DTYPES[config["dtype"]]
+    dropless = config["form"] == "grouped"
     cfg = dict(n_experts=config.get("n_experts", 8), dim=32, hidden=48, top_k=config["top_k"],
-               expert_form=config["form"], capacity_factor=config.get("capacity_factor", 2.0))
+               expert_form=config["form"], capacity_factor=config.get("capacity_factor", 2.0),
+               form="dropless" if dropless else "capacity")
     if key not in _COMPILED:
         # Every config compiles MoE.forward again (one dynamo cache per code object): keep
         # dynamo from falling back to eager after its default 8 recompiles.
@@ -71,6 +73,8 @@ def moe_job(config: dict, routings: list) -> dict:
         be = overlapc.backend(inner=config.get("inner", "eager"), strategy="decompose", chunks=config["chunks"])
         _COMPILED[key] = (ref, model, torch.compile(model, backend=be), be)
     ref, model, compiled, be = _COMPILED[key]
+    from overlapc.runtime.dropless import DroplessPipeline
+    calls_before = DroplessPipeline.calls
     tokens = config.get("tokens", 32)
     tol = TOL[config["dtype"]]
     worst, loads = 0.0, []
@@ -84,7 +88,9 @@ def moe_job(config: dict, routings: list) -> dict:
         outs, grads = [], []
         for m, fn in ((ref, ref), (model, compiled)):
             x = x0.clone().requires_grad_(True)
-            y = fn(x)
+            # The dropless form's split sizes come from .tolist(): keep them in the graph.
+            with torch._dynamo.config.patch(capture_scalar_outputs=dropless):
+                y = fn(x)
             w = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
             (y * w).sum().backward()
             outs.append(y.detach())
@@ -96,7 +102,7 @@ def moe_job(config: dict, routings: list) -> dict:
             torch.testing.assert_close(grads[1][name], g, **tol, msg=lambda s: f"{where} grad {name}: {s}")
             worst = max(worst, (grads[1][name].float() - g.float()).abs().max().item())
     sites = [s for s in be.report.sites if s.pattern != "collective"]
-    return {"max_abs_err": worst, "loads": loads,
+    return {"max_abs_err": worst, "loads": loads, "pipeline_calls": DroplessPipeline.calls - calls_before,
             # a recompile (guards of another config's model failing here) reports them again
             "sites": sorted({(s.graph, s.pattern, s.status, s.chunks) for s in sites})}
 
@@ -136,6 +142,72 @@ def test_moe_matches_eager(world_name, request):
         skewed = results[0]["loads"][1]
         assert skewed[0] == 32 and sum(skewed[4:]) == 0, skewed
         print(f"\n{world_name} {case}: max |err| {max(r['max_abs_err'] for r in results):.3g}")
+
+
+# Dropless form: uneven all-to-alls with run-time splits, experts as grouped matmuls over
+# (source rank, local expert) groups, pipelined by the run-time op (passes/dropless.py).
+# bf16 only: torch's meta kernel of _grouped_mm refuses fp32 on CPU, so fp32 cannot compile.
+# Rows are computed by the same per-row dot products whatever the chunk, and weight
+# gradients are summed over chunks in fp32 and rounded once, so the bf16 tolerance above
+# is generous here (measured: exact).
+DROPLESS_CASES = [
+    dict(form="grouped", top_k=2, dtype="bf16", chunks=2),
+    dict(form="grouped", top_k=1, dtype="bf16", chunks=4),
+    dict(form="grouped", top_k=2, dtype="bf16", chunks=8, tokens=8),  # most chunks of a block empty
+]
+
+
+def _check_dropless(result, config, routings):
+    chunks = config["chunks"]
+    assert result["sites"] == sorted((g, p, "rewritten", chunks) for g in ("forward", "backward")
+                                     for p in ("all_to_all_matmul", "matmul_all_to_all")), result["sites"]
+    # the run-time pipeline really ran: once forward and once backward per routing
+    assert result["pipeline_calls"] == 2 * len(routings), result["pipeline_calls"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_name", ["world2", "world4"])
+def test_moe_dropless_matches_eager(world_name, request):
+    world = request.getfixturevalue(world_name)
+    for case in DROPLESS_CASES:
+        results = world.run(moe_job, case, ROUTINGS)
+        for r in results:
+            _check_dropless(r, case, ROUTINGS)
+        # Skewed: expert 0 takes every token (nothing is dropped in this form), the upper
+        # half none: at world 4 two ranks receive no rows at all.
+        skewed = results[0]["loads"][1]
+        assert skewed[0] == case.get("tokens", 32) and sum(skewed[4:]) == 0, skewed
+        print(f"\n{world_name} dropless {case}: max |err| {max(r['max_abs_err'] for r in results):.3g}")
+
+
+def mixing_body_job() -> list:
+    """A dispatch whose body mixes rows (a sum over them): reported, left alone, still right."""
+    import overlapc
+    from torch.distributed import _functional_collectives as fc
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    w = torch.randn(16, 16, generator=torch.Generator().manual_seed(0))
+
+    def f(x, counts):
+        cr = fc.wait_tensor(fc.all_to_all_single(counts, None, None, dist.group.WORLD))
+        ins, outs = counts.tolist(), cr.tolist()
+        r = fc.all_to_all_single_autograd(x, outs, ins, dist.group.WORLD)
+        h = (r - r.mean(0, keepdim=True)) @ w  # mean over all received rows: no chunk can start alone
+        return fc.all_to_all_single_autograd(h, ins, outs, dist.group.WORLD)
+
+    counts = torch.tensor([1 + 2 * ((rank + i) % world) for i in range(world)])  # uneven, same total
+    x = torch.randn(int(counts.sum()), 16, generator=torch.Generator().manual_seed(rank))
+    be = overlapc.backend(inner="eager", strategy="decompose", chunks=2)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        y = torch.compile(f, backend=be)(x, counts)
+    torch.testing.assert_close(y, f(x, counts))
+    return sorted({(s.pattern, s.status, s.reason) for s in be.report.sites if s.pattern != "collective"})
+
+
+@pytest.mark.distributed
+def test_dropless_body_that_mixes_rows_is_left_alone(world2):
+    for r in world2.run(mixing_body_job):
+        assert r and all(st == "skipped" and "not computed row by row" in why for _, st, why in r), r
 
 
 @pytest.mark.distributed
@@ -209,8 +281,9 @@ from hypothesis import strategies as st  # noqa: E402
 
 @st.composite
 def random_routing_case(draw):
-    case = dict(form=draw(st.sampled_from(["bmm", "loop"])), top_k=draw(st.integers(1, 2)),
-                dtype="fp32", chunks=draw(st.sampled_from([2, 3, 4, 8])))
+    form = draw(st.sampled_from(["bmm", "loop", "grouped"]))
+    case = dict(form=form, top_k=draw(st.integers(1, 2)), dtype="bf16" if form == "grouped" else "fp32",
+                chunks=draw(st.sampled_from([2, 3, 4, 8])))
     routings = [(draw(st.sampled_from(["uniform", "skewed", "1.0", "5.0", "20.0"])), draw(st.integers(0, 10**6)))
                 for _ in range(2)]
     return case, routings
@@ -225,4 +298,7 @@ def test_moe_property_random_routings(world2, case):
     compiled per (form, top-k, chunks), reused across examples: zero mismatches."""
     config, routings = case
     for r in world2.run(moe_job, config, routings):
-        _check_sites(r, config["chunks"])
+        if config["form"] == "grouped":
+            _check_dropless(r, config, routings)
+        else:
+            _check_sites(r, config["chunks"])

@@ -1,0 +1,193 @@
+"""Run-time pipeline for all-to-alls whose split sizes are known only at run time.
+
+The dropless MoE form exchanges split sizes at run time (``.tolist()`` of an exchanged
+count tensor) and moves an uneven number of rows to every peer::
+
+    recv = all_to_all(xs, out_splits, in_splits)       # rows grouped by source rank
+    out  = body(recv)                                   # row-wise: expert GEMMs per group
+    back = all_to_all(out, in_splits, out_splits)       # rows go home
+
+Chunk boundaries cannot be compiled in, so the pass (passes/dropless.py) replaces the three
+with one call to :class:`DroplessPipeline`, which decides them when the splits are known:
+chunk ``c`` of the block exchanged with rank ``r`` is rows ``[b(n_r, c), b(n_r, c + 1))``
+of that block, where ``b`` depends only on the block's size ``n_r`` and the chunk count,
+so sender and receiver agree without exchanging anything. Then::
+
+    dispatch chunk 0..C-1 issued at once (async)
+    for c: wait dispatch c; body(rows of chunk c); issue combine c (async)
+    wait combines; put the returned rows where they belong
+
+``body`` is the graph between the two all-to-alls, replayed per chunk. It is row-wise:
+every output row depends only on the same input row (pointwise ops, ``mm`` by a weight,
+grouped ``_grouped_mm`` by a weight, where the groups are given by ``offs``) except
+*reduced* outputs (weight gradients: ``_grouped_mm(t(a), b, offs)``, ``mm(t(a), b)``),
+which are sums over rows and come out of the pipeline as the sum of per-chunk partials,
+accumulated in fp32. A group (an expert's rows from one source) may be cut by a chunk
+boundary; each chunk's ``offs`` counts the rows of every group that fall into it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.fx import GraphModule
+
+
+def boundaries(n: int, weights: list[int]) -> list[int]:
+    """Chunk boundaries 0 = b_0 <= ... <= b_C = n of ``n`` rows by ``weights``; chunks may be
+    empty. A pure function of (n, weights): both ends of a transfer compute the same."""
+    total, acc, out = sum(weights), 0, [0]
+    for w in weights:
+        acc += w
+        out.append(n * acc // total)
+    return out
+
+
+def chunk_weights(chunks: int) -> list[int]:
+    """Weights 1, 2, ..., 2, 1 (3 chunks or more): the first and last chunk, which the
+    pipeline cannot hide, are half the size of the others (as passes/build.chunk_sizes)."""
+    if chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    return [1] + [2] * (chunks - 2) + [1] if chunks >= 3 else [1] * chunks
+
+
+@dataclass(eq=False)
+class DroplessPipeline:
+    """A callable graph node: ``(xs, in_splits, out_splits, offs, row_inputs, consts) ->
+    [back, *row_outputs, *reduced_outputs]``.
+
+    body: GraphModule ``(recv, offs, *row_inputs, *consts) -> (combine_input, *row_outputs,
+    *reduced_outputs)``; row inputs are tensors aligned with ``recv``'s rows that come from
+    elsewhere (activations saved by the forward graph); consts are used whole (weights).
+    """
+    body: GraphModule
+    group_name: str
+    chunks: int
+    n_row_inputs: int
+    n_row_outputs: int
+    reduced_dtypes: list[torch.dtype]
+    site: str = ""
+
+    # FX names call_function nodes and their globals after these.
+    __name__ = "overlapc_dropless_pipeline"
+
+    def __post_init__(self):
+        self.__qualname__ = self.__name__
+
+    calls = 0
+    """Pipelines run in this process (all instances): lets tests see the rewrite really ran."""
+
+    def __call__(self, xs, in_splits, out_splits, offs, row_inputs, consts):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        DroplessPipeline.calls += 1
+
+        group = _resolve_process_group(self.group_name)
+        in_splits, out_splits = [int(s) for s in in_splits], [int(s) for s in out_splits]
+        if sum(in_splits) != xs.shape[0]:
+            raise RuntimeError(f"overlapc: dropless pipeline {self.site}: input splits {in_splits} "
+                               f"do not add up to the {xs.shape[0]} rows sent")
+        w = chunk_weights(self.chunks)
+        b_in = [boundaries(n, w) for n in in_splits]    # my rows, per destination block
+        b_out = [boundaries(n, w) for n in out_splits]  # rows I receive, per source block
+        start_in, start_out = _starts(in_splits), _starts(out_splits)
+        total_out = sum(out_splits)
+        group_ends = None
+        if offs is not None:
+            group_ends = offs.to(torch.int64)
+            if group_ends.numel() and int(group_ends[-1]) != total_out:
+                raise RuntimeError(f"overlapc: dropless pipeline {self.site}: the grouped matmul's offsets end at "
+                                   f"{int(group_ends[-1])}, but {total_out} rows were received")
+        xs = xs.contiguous()
+
+        # Dispatch: every chunk issued at once.
+        dispatched = []
+        for c in range(self.chunks):
+            send_sizes = [b[c + 1] - b[c] for b in b_in]
+            recv_sizes = [b[c + 1] - b[c] for b in b_out]
+            send = torch.cat([xs[s + b[c]: s + b[c + 1]] for s, b in zip(start_in, b_in)])
+            recv = xs.new_empty((sum(recv_sizes), *xs.shape[1:]))
+            work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group, async_op=True)
+            dispatched.append((work, recv, send_sizes, recv_sizes))
+
+        row_parts: list[list[torch.Tensor]] = [[] for _ in range(self.n_row_outputs)]
+        reduced: list[torch.Tensor | None] = [None] * len(self.reduced_dtypes)
+        combined = []
+        rows_of_chunk = []
+        for c, (work, recv, send_sizes, recv_sizes) in enumerate(dispatched):
+            idx = _rows(start_out, b_out, c, xs.device)
+            rows_of_chunk.append(idx)
+            offs_c = None
+            if group_ends is not None:
+                offs_c = _chunk_offsets(group_ends, start_out, b_out, c).to(offs.dtype)
+            row_in = [t.index_select(0, idx) for t in row_inputs]
+            work.wait()
+            outs = self.body(recv, offs_c, *row_in, *consts)
+            out = outs[0].contiguous()
+            back = out.new_empty((sum(send_sizes), *out.shape[1:]))
+            cw = dist.all_to_all_single(back, out, send_sizes, recv_sizes, group=group, async_op=True)
+            combined.append((cw, back))
+            for i in range(self.n_row_outputs):
+                row_parts[i].append(outs[1 + i])
+            for i, p in enumerate(outs[1 + self.n_row_outputs:]):
+                p = p.float()
+                reduced[i] = p if reduced[i] is None else reduced[i] + p
+
+        # Rows come home: chunk c of my block for rank r is rows [b(c), b(c+1)) of that block.
+        backs = []
+        for c, (cw, back) in enumerate(combined):
+            cw.wait()
+            backs.append(back)
+        result = _place(backs, start_in, b_in, xs.shape[0])
+        row_outputs = [_assemble(parts, rows_of_chunk, total_out) for parts in row_parts]
+        reduced_out = [r.to(dt) for r, dt in zip(reduced, self.reduced_dtypes)]
+        return [result, *row_outputs, *reduced_out]
+
+
+def _starts(splits: list[int]) -> list[int]:
+    out, acc = [], 0
+    for s in splits:
+        out.append(acc)
+        acc += s
+    return out
+
+
+def _rows(starts, bounds, c, device) -> torch.Tensor:
+    """Indices (in the full received buffer) of the rows of chunk ``c``, in chunk order."""
+    parts = [torch.arange(s + b[c], s + b[c + 1], device=device) for s, b in zip(starts, bounds)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
+
+
+def _chunk_offsets(group_ends: torch.Tensor, starts, bounds, c) -> torch.Tensor:
+    """Cumulative row counts per group within chunk ``c``: chunk ``c`` takes from every
+    source block ``r`` the range [s_r + b_r(c), s_r + b_r(c+1)) of the received rows; a group
+    [e_{g-1}, e_g) contributes its overlap with each range. Groups stay in order."""
+    ends = group_ends
+    begins = torch.cat([ends.new_zeros(1), ends[:-1]])
+    count = torch.zeros_like(ends)
+    for s, b in zip(starts, bounds):
+        lo, hi = s + b[c], s + b[c + 1]
+        count += (torch.clamp(torch.minimum(ends, ends.new_tensor(hi)) - torch.maximum(begins, begins.new_tensor(lo)), min=0))
+    return torch.cumsum(count, 0)
+
+
+def _place(parts, starts, bounds, n_rows) -> torch.Tensor:
+    """Inverse of the chunking: chunk c holds, per block r, rows [b_r(c), b_r(c+1)) of it."""
+    if not parts:
+        raise ValueError("no chunks")
+    out = parts[0].new_empty((n_rows, *parts[0].shape[1:]))
+    for c, part in enumerate(parts):
+        off = 0
+        for s, b in zip(starts, bounds):
+            n = b[c + 1] - b[c]
+            out[s + b[c]: s + b[c + 1]] = part[off: off + n]
+            off += n
+    return out
+
+
+def _assemble(parts, rows_of_chunk, n_rows) -> torch.Tensor:
+    out = parts[0].new_empty((n_rows, *parts[0].shape[1:]))
+    for part, idx in zip(parts, rows_of_chunk):
+        out.index_copy_(0, idx, part)
+    return out

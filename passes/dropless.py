@@ -1,0 +1,329 @@
+"""Dropless all-to-all sites: uneven, run-time splits, pipelined by a run-time op.
+
+Found (forward of a dropless MoE layer; the backward has the same shape, with the weight
+gradients as sums over rows)::
+
+    recv = wait(all_to_all(xs, out_s, in_s))            # dispatch: splits are SymInts
+    h    = silu(grouped_mm(recv, W1, offs)) * grouped_mm(recv, W3, offs)
+    out  = grouped_mm(h, W2, offs)                      # the *body*: row by row
+    back = wait(all_to_all(out, in_s, out_s))           # combine: the same splits, swapped
+
+Chunk boundaries depend on the split sizes, which exist only at run time, so the axis
+regions of passes/axis.py (static chunks) cannot be used. Instead the dispatch, the body
+and the combine become one call of :class:`overlapc.runtime.dropless.DroplessPipeline`,
+which cuts every peer's block into chunks when the sizes are known and runs the body per
+chunk (see that module). The body must be row-wise: each op is pointwise, a matmul of the
+rows by a weight (``mm``, ``_grouped_mm`` with the body's ``offs``), a transpose feeding a
+reduction, or a reduction over rows (``mm(t(a), b)``, ``_grouped_mm(t(a), b, offs)``:
+weight gradients, summed over chunks). Anything else that reads the body's tensors is
+outside the pipeline and gets them whole, after it (activations the backward saves).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from overlapc.runtime.dropless import DroplessPipeline
+
+from . import ops
+from .deps import DepGraph
+
+aten = torch.ops.aten
+GROUPED_MM = aten._grouped_mm.default if hasattr(aten, "_grouped_mm") else None
+TRANSPOSES = {aten.t.default, aten.transpose.int}
+LOW_PRECISION = {torch.bfloat16, torch.float16}
+
+PIPELINE = "overlapc_dropless"
+"""node.meta key on a dispatch all-to-all: its analysed :class:`Pipeline` (or the reason it has none)."""
+
+
+class NotPipelined(Exception):
+    """The all-to-all pair cannot be pipelined; the message says why."""
+
+
+@dataclass(eq=False)
+class Pipeline:
+    dispatch: Node
+    dispatch_wait: Node
+    combine: Node
+    combine_wait: Node
+    nodes: list[Node]
+    """The body, in graph order (without the dispatch wait)."""
+    kinds: dict
+    """node -> "row" | "rowT" | "reduced" for the dispatch wait and every body node."""
+    row_inputs: list[Node]
+    consts: list[Node]
+    offs: Node | None
+    row_outputs: list[Node]
+    reduced_outputs: list[Node]
+    moved: list[Node]
+    """Nodes between the dispatch and the combine that read body results: they run after the pipeline."""
+
+
+def _same_splits(a, b) -> bool:
+    if a is None or b is None or len(a) != len(b):
+        return False
+    return all(x is y or (isinstance(x, int) and isinstance(y, int) and x == y) for x, y in zip(a, b))
+
+
+def find_pipeline(coll: Node, deps: DepGraph) -> Pipeline:
+    """The pipeline ``coll`` is the dispatch or the combine of; raises NotPipelined."""
+    cached = coll.meta.get(PIPELINE)
+    if isinstance(cached, Pipeline):
+        return cached
+    try:
+        p = _analyse(coll, deps)
+    except NotPipelined as as_dispatch:
+        # Perhaps coll is a combine: find the dispatch whose splits it swaps.
+        why = as_dispatch
+        for d in coll.graph.nodes:
+            if d is coll:
+                break
+            if d.target is ops.ALL_TO_ALL and _same_splits(d.args[1], coll.args[2]) \
+                    and _same_splits(d.args[2], coll.args[1]) and d.args[3] == coll.args[3]:
+                try:
+                    p = _analyse(d, deps)
+                except NotPipelined as e:
+                    why = e  # the pair exists; what is between them is the problem
+                    continue
+                if p.combine is coll:
+                    return p
+        raise why
+    return p
+
+
+def _analyse(d: Node, deps: DepGraph) -> Pipeline:
+    w = ops.wait_of(d)
+    if w is None:
+        raise NotPipelined("the all-to-all is not completed by a single wait_tensor")
+    out_s, in_s = d.args[1], d.args[2]
+    if out_s is None or in_s is None:
+        raise NotPipelined("even splits (handled by the static chunking)")
+    nodes = list(d.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    combine = None
+    for n in nodes[pos[w] + 1:]:
+        if n.target is ops.ALL_TO_ALL and _same_splits(n.args[1], in_s) and _same_splits(n.args[2], out_s) \
+                and n.args[3] == d.args[3] and isinstance(n.args[0], Node) and deps.depends(n.args[0], w):
+            combine = n
+            break
+    if combine is None:
+        raise NotPipelined("no all-to-all after it sends the rows back with the same splits swapped "
+                           "(a dispatch without its combine)")
+    cw = ops.wait_of(combine)
+    if cw is None:
+        raise NotPipelined("the combining all-to-all is not completed by a single wait_tensor")
+
+    kinds: dict[Node, str] = {w: "row"}
+    body: list[Node] = []
+    refused: dict[Node, str] = {}
+    for n in nodes[pos[w] + 1: pos[combine]]:
+        if not any(a in kinds for a in n.all_input_nodes):
+            continue
+        kind, why = _classify(n, kinds)
+        if kind is None:
+            refused[n] = why
+            continue
+        kinds[n] = kind
+        body.append(n)
+    target = combine.args[0]
+    if kinds.get(target) != "row":
+        path = [n for n in refused if n is target or deps.depends(target, n)]
+        culprit = f"{path[0].name} ({refused[path[0]]})" if path else target.name
+        raise NotPipelined(f"what the combine sends is not computed row by row from the dispatched rows: {culprit}")
+
+    # Inputs from outside the body: row-aligned (indexed per chunk) or whole (weights).
+    roles: dict[Node, str] = {}
+    offs = None
+    for n in body:
+        for a, role in _input_roles(n, kinds):
+            if role == "offs":
+                if offs is not None and a is not offs:
+                    raise NotPipelined(f"the grouped matmuls use different offsets ({offs.name}, {a.name})")
+                offs = a
+                continue
+            if role == "symbol":
+                raise NotPipelined(f"{n.name} uses the run-time size {a.name}, which changes per chunk")
+            if roles.setdefault(a, role) != role:
+                raise NotPipelined(f"{a.name} is read both row by row and whole")
+    for a in [*roles, *([offs] if offs is not None else [])]:
+        if deps.depends(a, w):
+            raise NotPipelined(f"{a.name} feeds the body but is not computed row by row from the dispatched rows: "
+                               "no chunk could start before all of them have arrived")
+
+    inside = set(body) | {w}
+    row_outputs, reduced_outputs = [], []
+    for n in [w, *body]:
+        outside = [u for u in n.users if u not in inside and not (u is combine and n is target)]
+        if n is w and len(d.users) > 1:  # sizes of the dispatch's result queried: answered by the wait's
+            outside.append(d)
+        if not outside:
+            continue
+        if kinds[n] == "rowT":
+            raise NotPipelined(f"the transpose {n.name} is read outside the body")
+        (row_outputs if kinds[n] == "row" else reduced_outputs).append(n)
+    moved = [n for n in nodes[pos[w] + 1: pos[combine]] if n not in inside and deps.depends(n, w)]
+    return Pipeline(d, w, combine, cw, body, kinds, [a for a, r in roles.items() if r == "row"],
+                    [a for a, r in roles.items() if r == "const"], offs, row_outputs, reduced_outputs, moved)
+
+
+def _pointwise(n: Node) -> bool:
+    tags = getattr(n.target, "tags", ())
+    return torch.Tag.pointwise in tags or n.target in ops.IDENTITIES
+
+
+def _same_dim0(a: Node, b: Node) -> bool:
+    va, vb = ops.val(a), ops.val(b)
+    if va is None or vb is None or va.dim() == 0 or vb.dim() == 0:
+        return False
+    x, y = va.shape[0], vb.shape[0]
+    if isinstance(x, torch.SymInt) or isinstance(y, torch.SymInt):
+        ex = x.node.expr if isinstance(x, torch.SymInt) else x
+        ey = y.node.expr if isinstance(y, torch.SymInt) else y
+        return ex == ey
+    return x == y
+
+
+def _classify(n: Node, kinds: dict) -> tuple[str | None, str]:
+    if n.op != "call_function":
+        return None, "not an op"
+    t = n.target
+    tensor_ins = [a for a in n.all_input_nodes if ops.val(a) is not None]
+    if _pointwise(n):
+        out = ops.val(n)
+        if out is None or out.dim() == 0:
+            return None, "pointwise op without a tensor result"
+        for a in tensor_ins:
+            if a in kinds and (kinds[a] != "row" or not _same_dim0(a, n) or ops.val(a).dim() != out.dim()):
+                return None, f"mixes rows with {a.name} ({kinds[a]})"
+        return "row", ""
+    if t in TRANSPOSES:
+        a = n.args[0]
+        dims = sorted(d % 2 for d in n.args[1:3]) if t is aten.transpose.int else [0, 1]
+        if kinds.get(a) == "row" and ops.val(a).dim() == 2 and dims == [0, 1]:
+            return "rowT", ""
+        return None, "transpose of something other than a 2-D row tensor"
+    if t is aten.mm.default or (GROUPED_MM is not None and t is GROUPED_MM):
+        a, b = n.args[0], n.args[1]
+        ka, kb = kinds.get(a), kinds.get(b)
+        if t is GROUPED_MM:
+            if ops.arg(n, "bias") is not None:
+                return None, "grouped matmul with a bias"
+            if ops.arg(n, "offs") in kinds:
+                return None, "grouped matmul offsets computed from the rows"
+            if ka == "row" and kb is None and ops.val(b) is not None and ops.val(b).dim() == 3:
+                return "row", ""
+        elif ka == "row" and kb is None:
+            return "row", ""
+        if ka == "rowT" and kb == "row":
+            return "reduced", ""
+        return None, f"{t.__name__} with operands ({ka or 'outside'}, {kb or 'outside'})"
+    return None, f"{getattr(t, '__name__', t)} is not row-wise"
+
+
+def _input_roles(n: Node, kinds: dict):
+    """(input, "row" | "const" | "offs" | "symbol") for the inputs of body node n from outside it."""
+    out = ops.val(n)
+    offs = ops.arg(n, "offs") if n.target is GROUPED_MM else None
+    for a in n.all_input_nodes:
+        if a in kinds:
+            continue
+        if a is offs:
+            yield a, "offs"
+        elif ops.val(a) is None:
+            yield a, "symbol"
+        elif n.target in (aten.mm.default, GROUPED_MM):
+            yield a, "const"
+        else:  # pointwise: an operand of the output's full shape is read row by row
+            va = ops.val(a)
+            one = isinstance(va.shape[0], int) and va.shape[0] == 1  # broadcast along the rows
+            yield a, ("row" if va.dim() == out.dim() and _same_dim0(a, n) and not one else "const")
+
+
+def can_pipeline(site, deps: DepGraph) -> str | None:
+    """None (and ``site.pipeline`` set) if the site's all-to-all pair can be pipelined, else why not."""
+    try:
+        p = find_pipeline(site.coll, deps)
+    except NotPipelined as e:
+        return f"uneven or run-time split sizes: {e}"
+    p.dispatch.meta[PIPELINE] = p
+    site.pipeline = p
+    site.details["pipeline"] = {"dispatch": p.dispatch.name, "combine": p.combine.name, "body_ops": len(p.nodes),
+                                "row_inputs": len(p.row_inputs), "reduced_outputs": len(p.reduced_outputs)}
+    return None
+
+
+def rewrite(site, chunks: int, site_of) -> None:
+    """Replace dispatch, body and combine by one DroplessPipeline call (chunked at run time)."""
+    p: Pipeline = site.pipeline
+    graph = p.combine.graph
+    runner = DroplessPipeline(body=_body(p), group_name=ops.group_name(p.dispatch), chunks=chunks,
+                              n_row_inputs=len(p.row_inputs), n_row_outputs=len(p.row_outputs),
+                              reduced_dtypes=[ops.val(n).dtype for n in p.reduced_outputs], site=site.name)
+    out_s, in_s = p.dispatch.args[1], p.dispatch.args[2]
+    results = [p.combine_wait, *p.row_outputs, *p.reduced_outputs]
+    with graph.inserting_before(p.combine):
+        call = graph.call_function(runner, (p.dispatch.args[0], list(in_s), list(out_s), p.offs,
+                                            list(p.row_inputs), list(p.consts)))
+        call.meta["val"] = [n.meta.get("val") for n in results]
+        call.meta["overlapc"] = True
+        for k in ("nn_module_stack", "stack_trace"):
+            if k in p.combine.meta:
+                call.meta[k] = p.combine.meta[k]
+        items = []
+        for i, n in enumerate(results):
+            g = graph.call_function(operator.getitem, (call, i))
+            g.meta["val"] = n.meta.get("val")
+            items.append(g)
+    anchor = items[-1]
+    for n in p.moved:
+        anchor.append(n)
+        anchor = n
+    for n, g in zip(results, items):
+        n.replace_all_uses_with(g)
+    # Size queries (sym_size) on the collectives themselves: the same shapes as their waits'.
+    for coll, wait in ((p.combine, p.combine_wait), (p.dispatch, p.dispatch_wait)):
+        for u in list(coll.users):
+            if u is not wait:
+                u.replace_input_with(coll, items[results.index(wait)])
+    for n in [p.combine_wait, p.combine, *reversed(p.nodes), p.dispatch_wait, p.dispatch]:
+        if not n.users:
+            graph.erase_node(n)
+        else:
+            raise RuntimeError(f"overlapc: dropless rewrite left {n.name} with users {list(n.users)}")
+    other = site_of(p.combine if site.coll is p.dispatch else p.dispatch)
+    for s in other:
+        if s is not site:
+            s.status, s.strategy, s.chunks = "rewritten", "decompose", chunks
+            s.details.update(chained_from=site.name)
+    site.details["chunking"] = "at run time: every peer's block in chunks weighted 1,2,..,2,1"
+
+
+def _body(p: Pipeline) -> GraphModule:
+    g = Graph()
+    env: dict[Node, Node] = {p.dispatch_wait: g.placeholder("recv")}
+    offs = g.placeholder("offs")
+    if p.offs is not None:
+        env[p.offs] = offs
+    for i, n in enumerate(p.row_inputs):
+        env[n] = g.placeholder(f"row_{i}")
+    for i, n in enumerate(p.consts):
+        env[n] = g.placeholder(f"const_{i}")
+    for n in p.nodes:
+        if p.kinds[n] == "reduced" and ops.val(n).dtype in LOW_PRECISION:
+            # Partials over chunks are summed: compute them in fp32 so that no partial is
+            # rounded to bf16/fp16 (the run-time op casts the sum back once).
+            def up(a):
+                if a is p.offs or not isinstance(a, Node):
+                    return env[a] if isinstance(a, Node) else a
+                return g.call_function(aten._to_copy.default, (env[a],), {"dtype": torch.float32})
+            args = tuple(up(a) for a in n.args)
+            kwargs = {k: up(v) for k, v in n.kwargs.items()}
+            env[n] = g.call_function(n.target, args, kwargs)
+        else:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    g.output((env[p.combine.args[0]], *[env[n] for n in p.row_outputs], *[env[n] for n in p.reduced_outputs]))
+    return GraphModule(torch.nn.Module(), g)
