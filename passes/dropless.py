@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from overlapc.runtime.dropless import DroplessPipeline
+from overlapc.runtime.dropless import DroplessPipeline, register
 
 from . import ops
 from .deps import DepGraph
@@ -260,14 +260,26 @@ def rewrite(site, chunks: int, site_of) -> None:
     """Replace dispatch, body and combine by one DroplessPipeline call (chunked at run time)."""
     p: Pipeline = site.pipeline
     graph = p.combine.graph
+    results = [p.combine_wait, *p.row_outputs, *p.reduced_outputs]
+    shapes = []
+    for i, n in enumerate(results):
+        v = ops.val(n)
+        rows = "sent" if i == 0 else "received" if n in p.row_outputs else None
+        tail = list(v.shape[1:]) if rows else list(v.shape)
+        if any(isinstance(d, torch.SymInt) for d in tail):
+            site.status, site.strategy, site.chunks = "skipped", None, None
+            site.reason = f"{n.name} has a run-time size besides its rows: {list(v.shape)}"
+            return False
+        shapes.append((rows, tail, v.dtype))
     runner = DroplessPipeline(body=_body(p), group_name=ops.group_name(p.dispatch), chunks=chunks,
                               n_row_inputs=len(p.row_inputs), n_row_outputs=len(p.row_outputs),
-                              reduced_dtypes=[ops.val(n).dtype for n in p.reduced_outputs], site=site.name)
+                              reduced_dtypes=[ops.val(n).dtype for n in p.reduced_outputs], site=site.name,
+                              out_shapes=shapes)
     out_s, in_s = p.dispatch.args[1], p.dispatch.args[2]
-    results = [p.combine_wait, *p.row_outputs, *p.reduced_outputs]
     with graph.inserting_before(p.combine):
-        call = graph.call_function(runner, (p.dispatch.args[0], list(in_s), list(out_s), p.offs,
-                                            list(p.row_inputs), list(p.consts)))
+        call = graph.call_function(torch.ops.overlapc.dropless_pipeline.default,
+                                   (register(runner), p.dispatch.args[0], list(in_s), list(out_s), p.offs,
+                                    list(p.row_inputs), list(p.consts)))
         call.meta["val"] = [n.meta.get("val") for n in results]
         call.meta["overlapc"] = True
         for k in ("nn_module_stack", "stack_trace"):

@@ -55,10 +55,6 @@ def plan_sites(sites: list[MatchedSite], options: Options, deps: DepGraph) -> No
         if why:
             site.reason = why
             continue
-        if getattr(site, "pipeline", None) is not None and options.inner != "eager":
-            site.reason = ("dropless all-to-all: the run-time pipeline is a Python call that inductor cannot "
-                           "compile; it runs with inner='eager' only (an inductor-visible op is not built yet)")
-            continue
         extent = rule.extent(site)
         n = (rule.auto_chunks or auto_chunks)(extent) if chunks == "auto" else chunks
         if n > extent:

@@ -68,6 +68,9 @@ class DroplessPipeline:
     n_row_outputs: int
     reduced_dtypes: list[torch.dtype]
     site: str = ""
+    out_shapes: list = None
+    """Per output: ("sent" | "received" | None, trailing shape, dtype): rows = rows sent,
+    rows received, or a fixed shape. For the custom op's fake implementation."""
 
     # FX names call_function nodes and their globals after these.
     __name__ = "overlapc_dropless_pipeline"
@@ -191,3 +194,43 @@ def _assemble(parts, rows_of_chunk, n_rows) -> torch.Tensor:
     for part, idx in zip(parts, rows_of_chunk):
         out.index_copy_(0, idx, part)
     return out
+
+
+# ----------------------------------------------------------------------------- custom op
+
+_PIPELINES: dict[int, DroplessPipeline] = {}
+"""Pipelines of this process by key: the graph holds the key, an int inductor can carry."""
+
+
+def register(pipeline: DroplessPipeline) -> int:
+    key = len(_PIPELINES)
+    _PIPELINES[key] = pipeline
+    return key
+
+
+def _lookup(key: int) -> DroplessPipeline:
+    try:
+        return _PIPELINES[key]
+    except KeyError:
+        raise RuntimeError(f"overlapc: dropless pipeline #{key} is not registered in this process "
+                           "(a graph compiled by another process, e.g. loaded from a cache?)") from None
+
+
+@torch.library.custom_op("overlapc::dropless_pipeline", mutates_args=())
+def dropless_pipeline(key: int, xs: torch.Tensor, in_splits: list[int], out_splits: list[int],
+                      offs: torch.Tensor | None, row_inputs: list[torch.Tensor],
+                      consts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Dispatch, body per chunk, combine: see :class:`DroplessPipeline`."""
+    return _lookup(key)(xs, in_splits, out_splits, offs, row_inputs, consts)
+
+
+@dropless_pipeline.register_fake
+def _(key, xs, in_splits, out_splits, offs, row_inputs, consts):
+    p = _lookup(key)
+    sent, received = sum(in_splits), sum(out_splits)
+    outs = []
+    for rows, tail, dtype in p.out_shapes:
+        n = sent if rows == "sent" else received if rows == "received" else None
+        shape = (n, *tail) if n is not None else tuple(tail)
+        outs.append(xs.new_empty(shape, dtype=dtype))
+    return outs
