@@ -1,0 +1,245 @@
+"""Fused AllGather+GEMM and GEMM+ReduceScatter (overlapc/runtime/fused.py, overlapc/kernels/)
+against the plain ops, in real gloo worlds of 2 and 4 over POSIX-shm symmetric memory,
+kernels under the Triton interpreter.
+
+Each job runs a matrix of cases on every rank, in one process per rank, one after another
+on the same workspace: epochs advance, the workspace grows when a later case needs more,
+AG and RS calls alternate.
+
+Tolerances: rtol = atol = 1e-5 in fp32: the kernels sum K in blocks of 32 and the reduce-
+scatter sums ranks in rank order; BLAS and gloo may order both sums differently (last-bit
+differences, outputs are O(1)). bf16: both sides accumulate in fp32 and round each GEMM
+output once; the reduce-scatter reference then sums bf16 partials in bf16 (gloo), the
+fused consumer sums them in fp32: one bf16 ulp (2^-8 relative) apart, rtol = 1.6e-2
+(torch's bf16 default), atol = 2e-2.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from overlapc.runtime import symm
+
+TOL = {"float32": dict(rtol=1e-5, atol=1e-5), "bfloat16": dict(rtol=1.6e-2, atol=2e-2)}
+
+# (shard shape, gather dim, chunks (None: 2 x world), consumers' N (negative: b is a t() view), return_a)
+AG_CASES = [
+    ((20, 24), 0, 3, [40, -17], True),      # uneven tile edges, two consumers, one transposed
+    ((3, 6, 40), 1, None, [24], True),      # inner-dim gather of a 3-D activation, K > BLOCK_K
+    ((4, 5, 24), 0, 1, [33], False),        # one chunk; dim 0 of a 3-D activation
+    ((2, 3, 5, 16), 2, 2, [8, 8, 8], True),  # 4-D, gather on dim 2, three consumers (q, k, v)
+    ((64, 48), 0, 4, [72], True),           # bigger: grows the workspace
+]
+# (full shape before the scatter, scatter dim, N); the scattered dim is a multiple of the world size
+RS_CASES = [
+    ((4, 24), 0, 40),
+    ((3, 2, 40), 1, 17),
+    ((1, 5, 24), 0, 33),
+    ((16, 48), 0, 72),
+]
+
+
+def _ref_gather(a, d, group):
+    return funcol.wait_tensor(funcol.all_gather_tensor(a.contiguous(), d, group))
+
+
+def fused_matrix(dtype: str):
+    from overlapc.runtime import fused
+
+    dt = getattr(torch, dtype)
+    group = dist.group.WORLD
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(1234 + rank)
+    errs, fails = {}, []
+
+    def check(name, got, want):
+        if tuple(got.shape) != tuple(want.shape):
+            fails.append(f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+            return
+        errs[name] = (got.float() - want.float()).abs().max().item()
+        if not torch.allclose(got.float(), want.float(), **TOL[dtype]):
+            fails.append(f"{name}: max |err| {errs[name]:.3g}")
+
+    for i in range(2):  # twice: the second pass runs on a workspace at later epochs
+        for shape, d, chunks, ns, return_a in AG_CASES:
+            K = shape[-1]
+            a = torch.randn(shape, dtype=dt)
+            bs = [(torch.randn(-n, K, dtype=dt).t() if n < 0 else torch.randn(K, n, dtype=dt)) / K ** 0.5
+                  for n in ns]
+            g, outs = fused.all_gather_matmul(a, bs, d, group.group_name, chunks or 2 * world, 60, return_a)
+            ref = _ref_gather(a, d, group)
+            if return_a:
+                check(f"ag{shape}/{d} gathered", g, ref)
+            for j, (o, b) in enumerate(zip(outs, bs)):
+                check(f"ag{shape}/{d} out{j}", o, ref @ b)
+            # an RS call between AG calls: both share the workspace and its epochs
+            rs_shape, rd, n = RS_CASES[(len(errs) + i) % len(RS_CASES)]
+            full = list(rs_shape)
+            full[rd] *= world
+            x = torch.randn(full, dtype=dt)
+            w = torch.randn(full[-1], n, dtype=dt) / full[-1] ** 0.5
+            out = fused.matmul_reduce_scatter(x, w, rd, group.group_name, 60)
+            want = funcol.wait_tensor(funcol.reduce_scatter_tensor((x @ w).contiguous(), "sum", rd, group))
+            check(f"rs{tuple(full)}/{rd}", out, want)
+    for shape, rd, n in RS_CASES:
+        full = list(shape)
+        full[rd] *= world
+        x = torch.randn(full, dtype=dt)
+        w = torch.randn(full[-1], n, dtype=dt) / full[-1] ** 0.5
+        out = fused.matmul_reduce_scatter(x, w, rd, group.group_name, 60)
+        want = funcol.wait_tensor(funcol.reduce_scatter_tensor((x @ w).contiguous(), "sum", rd, group))
+        check(f"rs{tuple(full)}/{rd}", out, want)
+    # A late rank: its chunks land long after the others' kernels started; they must wait for
+    # them (their buffers still hold the previous call's rows of the same shape).
+    for late in range(2):
+        a = torch.randn(20, 24, dtype=dt)
+        b = torch.randn(24, 40, dtype=dt) / 24 ** 0.5
+        if rank == late:
+            time.sleep(0.3)
+        _, (o,) = fused.all_gather_matmul(a, [b], 0, group.group_name, 3, 60)
+        check(f"ag late rank {late}", o, _ref_gather(a, 0, group) @ b)
+        x = torch.randn(4 * world, 24, dtype=dt)
+        if rank == late:
+            time.sleep(0.3)
+        out = fused.matmul_reduce_scatter(x, b, 0, group.group_name, 60)
+        check(f"rs late rank {late}", out, funcol.wait_tensor(funcol.reduce_scatter_tensor(x @ b, "sum", 0, group)))
+    fused_calls = fused.calls["fused"]
+    # Below min_flops: the plain ops, same results.
+    a = torch.randn(4, 8, dtype=dt)
+    b = torch.randn(8, 8, dtype=dt)
+    _, (o,) = fused.all_gather_matmul(a, [b], 0, group.group_name, 2, 60, False, min_flops=1 << 40)
+    check("ag fallback", o, _ref_gather(a, 0, group) @ b)
+    x = torch.randn(2 * world, 8, dtype=dt)
+    out = fused.matmul_reduce_scatter(x, b, 0, group.group_name, 60, min_flops=1 << 40)
+    check("rs fallback", out, funcol.wait_tensor(funcol.reduce_scatter_tensor(x @ b, "sum", 0, group)))
+    return dict(errs=errs, fails=fails, fused=fused_calls, fallback=fused.calls["fallback"],
+                leaks=symm.leaked_segments())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fused_ops_match_plain_ops(world_size, dtype, world2, world4):
+    world = {2: world2, 4: world4}[world_size]
+    results = world.run(fused_matrix, dtype)
+    n_fused = 2 * 2 * len(AG_CASES) + len(RS_CASES)
+    for rank, r in enumerate(results):
+        assert not r["fails"], f"rank {rank}: {r['fails']}"
+        assert len(r["errs"]) >= 2 * (len(AG_CASES) + 1) + 2
+        assert r["fused"] >= n_fused and r["fallback"] >= 2, r  # the fused path really ran
+        assert r["leaks"] == []
+    assert symm.leaked_segments() == []
+
+
+def bad_inputs():
+    from overlapc.errors import OverlapError
+    from overlapc.runtime import fused
+
+    gn = dist.group.WORLD.group_name
+    msgs = []
+    for call in (lambda: fused.all_gather_matmul(torch.randn(4, 8), [torch.randn(8, 4)], 1, gn),
+                 lambda: fused.all_gather_matmul(torch.randn(4, 8), [torch.randn(7, 4)], 0, gn),
+                 lambda: fused.matmul_reduce_scatter(torch.randn(3, 8), torch.randn(8, 4), 0, gn)):
+        try:
+            call()
+            msgs.append(None)
+        except OverlapError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def test_fused_ops_bad_input_names_what_is_allowed(world2):
+    msgs = world2.run(bad_inputs)[0]
+    assert "last dim (the contraction dim) is not fused" in msgs[0] and "allowed: dims 0..0" in msgs[0]
+    assert "every b must be [K=8, N]" in msgs[1]
+    assert "not divisible by the world size 2" in msgs[2]
+
+
+# ------------------------------------------------------------------ faults
+def die_mid_call(op: str, timeout: float):
+    """Rank 1 dies (SIGKILL) inside the op; the others must fail within ``timeout``."""
+    from overlapc.runtime import fused
+
+    gn = dist.group.WORLD.group_name
+    rank = dist.get_rank()
+    a, b = torch.randn(8, 16), torch.randn(16, 8)
+    # A first call that completes: the workspace exists, the failure is mid-kernel, not at rendezvous.
+    fused.all_gather_matmul(a, [b], 0, gn, 2, timeout)
+    fused.matmul_reduce_scatter(a, b, 0, gn, timeout)
+    if rank == 1:
+        if op == "ag":  # the copy engine dies after its first chunk reached one peer
+            real = symm.SymmetricMemory.flags
+            seen = []
+
+            def flags(self, peer=None):
+                if peer is not None:
+                    seen.append(peer)
+                    if len(seen) == 2:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                return real(self, peer)
+
+            symm.SymmetricMemory.flags = flags
+        else:  # the producer GEMM dies before its first tile leaves
+            import overlapc.kernels.gemm as g
+
+            class Die:
+                def __getitem__(self, grid):
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            g.gemm_rs_producer = Die()
+    t0 = time.monotonic()
+    try:
+        if op == "ag":
+            fused.all_gather_matmul(a, [b], 0, gn, 2, timeout)
+        else:
+            fused.matmul_reduce_scatter(a, b, 0, gn, timeout)
+    finally:
+        took = time.monotonic() - t0
+        assert took < timeout + 5, f"failed after {took:.1f} s, timeout {timeout} s"
+    return "finished"
+
+
+def skip_rendezvous(timeout: float):
+    """Rank 1 never joins; rank 0's rendezvous times out and removes its segment."""
+    from overlapc.runtime import fused
+
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    fused.matmul_reduce_scatter(torch.randn(4, 8), torch.randn(8, 4), 0, dist.group.WORLD.group_name, timeout)
+
+
+@pytest.fixture(scope="module")
+def fault_world():
+    from overlapc.world import World
+    w = World(2, timeout=120)
+    yield w
+    w.close()
+
+
+@pytest.mark.parametrize("op,name", [("ag", "overlapc::fused_all_gather_matmul"),
+                                     ("rs", "overlapc::fused_matmul_reduce_scatter")])
+def test_dead_rank_fails_the_others_within_timeout(fault_world, op, name):
+    from overlapc.world import WorldError
+
+    t0 = time.monotonic()
+    with pytest.raises(WorldError) as e:
+        fault_world.run(die_mid_call, op, 3.0)
+    msg = str(e.value)
+    assert "rank 1 exited" in msg, msg
+    assert f"rank 0: OverlapError: {name}: timed out on rank 0" in msg, msg
+    assert time.monotonic() - t0 < 60
+    assert symm.leaked_segments() == []
+
+
+def test_failed_rendezvous_leaves_no_segment(fault_world):
+    from overlapc.world import WorldError
+
+    with pytest.raises(WorldError) as e:
+        fault_world.run(skip_rendezvous, 3.0)
+    assert "symmetric memory rendezvous of group" in str(e.value), str(e.value)
+    assert symm.leaked_segments() == []
