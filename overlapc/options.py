@@ -24,7 +24,8 @@ class Options:
     inner: str = "inductor"
     """Compiler that runs the rewritten graphs: "inductor" or "eager" (AOTAutograd graphs run as they are)."""
     strategy: str = "auto"
-    """How sites are rewritten: "auto" (the planner decides), "decompose", "fuse" or "none" (find and report only)."""
+    """How sites are rewritten: "auto" (the planner decides), "decompose" (chunked collectives), "fuse"
+    (fused Triton kernels over symmetric memory, AG -> mm and mm -> RS sites) or "none" (find and report only)."""
     chunks: int | str = "auto"
     """Pieces each collective is split into: "auto" or an int >= 2."""
     min_bytes: int = 0
@@ -36,7 +37,7 @@ class Options:
     hardware: str | None = None
     """Cost-model profile name or path to a profile file; None: the profile of this machine."""
     timeout: float = 300.0
-    """Seconds a rewritten collective may take before it raises an error naming its site."""
+    """Seconds a fused op may wait for its peers before it raises an error naming the op (strategy "fuse")."""
     mode: str | None = None
     """torch.compile mode, passed to inductor ("default", "reduce-overhead", "max-autotune", ...)."""
 

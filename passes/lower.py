@@ -12,6 +12,7 @@ from typing import Callable
 from torch.fx import Graph
 
 from . import all_gather_matmul as agm
+from . import fuse
 from . import all_to_all as a2a
 from . import matmul_all_reduce as mar
 from . import matmul_reduce_scatter as mrs
@@ -51,7 +52,9 @@ def lower_sites(graph: Graph, sites: list[MatchedSite]) -> int:
             site.status, site.strategy, site.chunks = "skipped", None, None
             site.reason = "its matmul was already rewritten as part of another site"
             continue
-        if RULES[type(site)].rewrite(site, site.chunks) is False:
+        if site.strategy == "fuse":
+            fuse.rewrite(site, site.chunks, site.timeout)
+        elif RULES[type(site)].rewrite(site, site.chunks) is False:
             continue
         site.status = "rewritten"
         done += 1

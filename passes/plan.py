@@ -10,12 +10,16 @@ extra collective adds costs more than overlap can hide: about 1 ms per gloo coll
 measured on the emulated cluster, see BENCHMARKS.md), and ``chunks="auto"`` takes as many
 chunks as keep each at least ``MIN_ROWS_PER_CHUNK`` rows, at most ``MAX_AUTO_CHUNKS``.
 ``strategy="decompose"`` rewrites every site that can be rewritten, whatever its size.
+``strategy="fuse"`` replaces AllGather -> mm and mm -> ReduceScatter sites by the fused
+Triton ops (passes/fuse.py) where the group has symmetric memory, and says why elsewhere.
+"auto" never fuses yet: on the CPU the kernels run in Triton's interpreter (for
+correctness, far slower than BLAS), and the multi-GPU workspace is not built.
 """
 from __future__ import annotations
 
 from overlapc.options import Options
 
-from . import lower
+from . import fuse, lower
 from .deps import DepGraph
 from .sites import MatchedSite
 
@@ -36,12 +40,20 @@ def plan_sites(sites: list[MatchedSite], options: Options, deps: DepGraph) -> No
         if strategy == "none":
             site.status = "found"
             continue
-        if strategy == "fuse":
-            site.reason = "strategy 'fuse': fused kernels are not available for this site kind yet"
-            continue
         nbytes = site.comm_bytes()
         if options.min_bytes and nbytes is not None and nbytes < options.min_bytes:
             site.reason = f"collective moves {nbytes} B per rank, below min_bytes={options.min_bytes}"
+            continue
+        if strategy == "fuse":
+            why = fuse.can_fuse(site, deps)
+            if why:
+                site.reason = f"strategy 'fuse': {why}"
+                continue
+            # AG: the copy engine's chunks (flags per chunk); RS: the kernel signals per tile.
+            n = None
+            if isinstance(site, fuse.AllGatherMatmulSite):
+                n = min(lower.RULES[type(site)].extent(site), MAX_AUTO_CHUNKS if chunks == "auto" else chunks)
+            site.strategy, site.chunks, site.status, site.timeout = "fuse", n, "planned", options.timeout
             continue
         if strategy == "auto" and nbytes is not None and nbytes < AUTO_MIN_BYTES:
             site.reason = (f"collective moves {nbytes / 1024:.0f} KiB per rank: below {AUTO_MIN_BYTES >> 10} KiB "

@@ -30,6 +30,8 @@ class MatchedSite:
     reason: str | None = None
     strategy: str | None = None
     chunks: int | None = None
+    timeout: float | None = None
+    """Seconds a fused op may wait for its peers (strategy "fuse")."""
     details: dict = field(default_factory=dict)
 
     @property

@@ -57,6 +57,7 @@ def fused_matrix(dtype: str):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1234 + rank)
     errs, fails = {}, []
+    kept = []  # gathered tensors must not alias the symmetric buffer that later calls overwrite
 
     def check(name, got, want):
         if tuple(got.shape) != tuple(want.shape):
@@ -76,6 +77,7 @@ def fused_matrix(dtype: str):
             ref = _ref_gather(a, d, group)
             if return_a:
                 check(f"ag{shape}/{d} gathered", g, ref)
+                kept.append((f"ag{shape}/{d} gathered, checked again later", g, ref))
             for j, (o, b) in enumerate(zip(outs, bs)):
                 check(f"ag{shape}/{d} out{j}", o, ref @ b)
             # an RS call between AG calls: both share the workspace and its epochs
@@ -109,6 +111,8 @@ def fused_matrix(dtype: str):
             time.sleep(0.3)
         out = fused.matmul_reduce_scatter(x, b, 0, group.group_name, 60)
         check(f"rs late rank {late}", out, funcol.wait_tensor(funcol.reduce_scatter_tensor(x @ b, "sum", 0, group)))
+    for name, g, ref in kept:
+        check(name, g, ref)
     fused_calls = fused.calls["fused"]
     # Below min_flops: the plain ops, same results.
     a = torch.randn(4, 8, dtype=dt)
@@ -243,3 +247,52 @@ def test_failed_rendezvous_leaves_no_segment(fault_world):
         fault_world.run(skip_rendezvous, 3.0)
     assert "symmetric memory rendezvous of group" in str(e.value), str(e.value)
     assert symm.leaked_segments() == []
+
+
+# ------------------------------------------------------------------ the reference model, fused
+def fused_model(inner: str, world_size_hint: int):
+    from test_models_distributed import SMALL, check_model
+
+    from overlapc.runtime import fused
+
+    before = dict(fused.calls)
+    res = check_model("tp_sp", inner, {"strategy": "fuse"}, **SMALL)
+    res["fused_calls"] = fused.calls["fused"] - before["fused"]
+    res["fallback_calls"] = fused.calls["fallback"] - before["fallback"]
+    res["leaks"] = symm.leaked_segments()
+    return res
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size,inner", [(2, "eager"), (4, "eager"), (2, "inductor")])
+def test_tp_sp_model_fused_equals_eager(world_size, inner, world2, world4):
+    """Every AG -> mm and mm -> RS site of the TP+SP Llama (forward and backward) becomes a
+    fused op; outputs and all gradients equal eager on every rank (check_model's
+    tolerances: the fused kernels sum K in blocks, like a chunked GEMM)."""
+    world = {2: world2, 4: world4}[world_size]
+    res = world.run(fused_model, inner, world_size)
+    for r in res:
+        assert r["graphs"] == ["backward", "forward"]
+        # SMALL has 1 layer: forward AG x2 + RS x2 + the output AG; backward the mirror.
+        assert r["fused_calls"] >= 10 and r["fallback_calls"] == 0, r
+        assert r["leaks"] == []
+
+
+# ------------------------------------------------------------------ structure (fake PG, world 8)
+def test_fuse_plan_structure(fake_mesh8):
+    """strategy="fuse": every AG -> mm and mm -> RS site of the TP+SP model is fused (summed
+    dgrad producers too); MoE's all-to-all sites say why not; the graphs hold the ops."""
+    import overlapc
+    from overlapc.models import llama, moe
+
+    model, inputs = llama.build_tp_sp(fake_mesh8, n_layers=2)
+    report = overlapc.explain(model, *inputs, options={"strategy": "fuse", "chunks": 3})
+    sites = [s for s in report.sites if s.pattern != "collective"]
+    assert len(sites) == 18
+    for s in sites:
+        assert (s.status, s.strategy) == ("rewritten", "fuse"), s
+        assert s.chunks == (3 if s.pattern == "all_gather_matmul" else None), s
+    model, inputs = moe.build_ep(fake_mesh8)
+    report = overlapc.explain(model, *inputs, options={"strategy": "fuse"})
+    a2a = [s for s in report.sites if s.pattern.endswith("all_to_all") or s.pattern.startswith("all_to_all")]
+    assert a2a and all(s.status == "skipped" and "no fused kernel for" in s.reason for s in a2a), report

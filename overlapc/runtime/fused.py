@@ -1,7 +1,7 @@
 """Fused AllGather+GEMM and GEMM+ReduceScatter over symmetric memory, as custom ops.
 
 ``torch.ops.overlapc.fused_all_gather_matmul(a, bs, gather_dim, group_name, chunks, timeout,
-return_a) -> (gathered, outs)``: ``outs[i] = all_gather(a, gather_dim) @ bs[i]``, and the
+return_a) -> [gathered, *outs]``: ``outs[i] = all_gather(a, gather_dim) @ bs[i]``, and the
 gathered tensor itself when ``return_a`` (else an empty tensor).
 
 ``torch.ops.overlapc.fused_matmul_reduce_scatter(a, b, scatter_dim, group_name, timeout)``:
@@ -196,8 +196,10 @@ def all_gather_matmul(a: torch.Tensor, bs: list[torch.Tensor], gather_dim: int, 
             break
     gathered = a.new_empty(0)
     if return_a and not int(ws.abort_word()[0]):
-        # Slot-major [world, outer, inner, K] -> the gathered layout [outer, world, inner, K].
-        gathered = buf.view(world, outer, inner, K).transpose(0, 1).reshape(gshape)
+        # Slot-major [world, outer, inner, K] -> the gathered layout [outer, world, inner, K],
+        # always a copy: the buffer is the peers' to overwrite in the next call.
+        gathered = torch.empty(gshape, dtype=a.dtype, device=a.device)
+        gathered.view(outer, world, inner, K).copy_(buf.view(world, outer, inner, K).transpose(0, 1))
     producer.join(timeout=max(0.0, dog.deadline - time.monotonic()) + 1.0)
 
     def missing():
@@ -279,12 +281,13 @@ def triton_cdiv(a: int, b: int) -> int:
 # ------------------------------------------------------------------ torch.library ops
 _lib = torch.library.Library("overlapc", "FRAGMENT")
 _lib.define("fused_all_gather_matmul(Tensor a, Tensor[] bs, int gather_dim, str group_name, int chunks, "
-            "float timeout, bool return_a) -> (Tensor, Tensor[])")
+            "float timeout, bool return_a) -> Tensor[]")
 _lib.define("fused_matmul_reduce_scatter(Tensor a, Tensor b, int scatter_dim, str group_name, float timeout) -> Tensor")
 
 
 def _ag_impl(a, bs, gather_dim, group_name, chunks, timeout, return_a):
-    return all_gather_matmul(a, list(bs), gather_dim, group_name, chunks, timeout, return_a)
+    g, outs = all_gather_matmul(a, list(bs), gather_dim, group_name, chunks, timeout, return_a)
+    return [g, *outs]
 
 
 def _ag_fake(a, bs, gather_dim, group_name, chunks, timeout, return_a):
@@ -293,7 +296,7 @@ def _ag_fake(a, bs, gather_dim, group_name, chunks, timeout, return_a):
     gshape = list(a.shape)
     gshape[d] = gshape[d] * world
     outs = [a.new_empty(gshape[:-1] + [b.shape[1]]) for b in bs]
-    return (a.new_empty(gshape) if return_a else a.new_empty(0)), outs
+    return [a.new_empty(gshape) if return_a else a.new_empty(0), *outs]
 
 
 def _rs_impl(a, b, scatter_dim, group_name, timeout):
