@@ -218,15 +218,22 @@ def example_tokens(cfg: LlamaConfig, batch: int, seq: int, seed: int = 1):
     return torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
 
 
-def build_tp_sp(mesh, *, batch: int = 2, seq: int = 64, **cfg_kw):
+def _model(cfg, dtype: str):
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+    model = Llama(cfg)
+    return model if dtype == "float32" else model.to(getattr(torch, dtype))
+
+
+def build_tp_sp(mesh, *, batch: int = 2, seq: int = 64, dtype: str = "float32", **cfg_kw):
     """(model, example_inputs) for the TP+SP plan on a 1-D mesh."""
     cfg = LlamaConfig(**{"max_seq_len": max(seq, LlamaConfig.max_seq_len), **cfg_kw})
     if seq % mesh.size():
         raise ValueError(f"sequence length {seq} is not divisible by the mesh size {mesh.size()}")
-    return tp_sp_plan(Llama(cfg), mesh), (example_tokens(cfg, batch, seq),)
+    return tp_sp_plan(_model(cfg, dtype), mesh), (example_tokens(cfg, batch, seq),)
 
 
-def build_tp(mesh, *, batch: int = 2, seq: int = 64, **cfg_kw):
+def build_tp(mesh, *, batch: int = 2, seq: int = 64, dtype: str = "float32", **cfg_kw):
     """(model, example_inputs) for the TP-only plan on a 1-D mesh."""
     cfg = LlamaConfig(**{"max_seq_len": max(seq, LlamaConfig.max_seq_len), **cfg_kw})
-    return tp_plan(Llama(cfg), mesh), (example_tokens(cfg, batch, seq),)
+    return tp_plan(_model(cfg, dtype), mesh), (example_tokens(cfg, batch, seq),)

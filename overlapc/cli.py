@@ -2,6 +2,8 @@
 
     overlapc explain MODULE:CALLABLE --world-size N [--json] [--option k=v ...] [--arg k=v ...]
     overlapc rewrite MODULE:CALLABLE --world-size N -o DIR [--option k=v ...] [--arg k=v ...]
+    overlapc plan MODULE:CALLABLE --world-size N [--hardware PROFILE] [--json] [--trace FILE]
+    overlapc calibrate --world-size N [--out FILE]
 
 CALLABLE is called as ``CALLABLE(mesh, **args)`` with a 1-D DeviceMesh of N ranks and
 returns ``(model, example_inputs)``. Everything runs in this one process on the fake
@@ -52,6 +54,16 @@ def _parser() -> argparse.ArgumentParser:
     rw = sub.add_parser("rewrite", help="write the rewritten graphs' code and the report")
     common(rw)
     rw.add_argument("-o", "--out", required=True, metavar="DIR", help="output directory")
+    pl = sub.add_parser("plan", help="per-site predictions of the cost model for a cluster that need not be here")
+    common(pl)
+    pl.add_argument("--hardware", "-H", default=None, metavar="PROFILE",
+                    help="profile name (cpu-local, cpu-default, h100-nvlink, h200-nvlink, ib-400g) or JSON file")
+    pl.add_argument("--json", action="store_true", help="print the predictions as JSON")
+    pl.add_argument("--trace", metavar="FILE", help="write a Chrome trace (Perfetto) of one step; a PNG beside it")
+    cal = sub.add_parser("calibrate", help="measure this machine's profile (GEMM rates, link alpha/beta)")
+    cal.add_argument("--world-size", "-w", type=_world_size, required=True, help="ranks of the local gloo world")
+    cal.add_argument("--out", "-o", default=None, metavar="FILE",
+                     help="where to write the profile (default: the cpu-local profile in ~/.cache/overlapc)")
     return p
 
 
@@ -164,10 +176,37 @@ def cmd_rewrite(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from .explain import explain
+    from .plan_view import plan_json, plan_table, write_trace
+
+    if args.hardware is not None:
+        args.option = [*args.option, f"hardware={args.hardware!r}"]
+    model, inputs, opts = build(args)
+    report = explain(model, *inputs, options=opts)
+    if args.json:
+        print(plan_json(report, opts))
+    else:
+        print(plan_table(report, opts))
+    if args.trace:
+        for path in write_trace(report, opts, args.trace):
+            print(f"wrote {path}")
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from .calibrate import main as calibrate
+
+    path = calibrate(args.world_size, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
-        return {"explain": cmd_explain, "rewrite": cmd_rewrite}[args.cmd](args)
+        return {"explain": cmd_explain, "rewrite": cmd_rewrite, "plan": cmd_plan,
+                "calibrate": cmd_calibrate}[args.cmd](args)
     except (UsageError, OverlapError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"overlapc: error: {msg}", file=sys.stderr)

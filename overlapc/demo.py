@@ -2,7 +2,7 @@
 Llama block with backend="overlapc", prints what it found and did, and checks outputs and
 gradients against eager on every rank.
 
-    python -m overlapc.demo [--world-size 2] [--inner inductor|eager] [--strategy auto|decompose|none]
+    python -m overlapc.demo [--world-size 2] [--inner inductor|eager] [--strategy auto|decompose|fuse|none]
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--inner", default="inductor", choices=["inductor", "eager"])
     # "decompose": the demo's model is small, below the size at which "auto" rewrites.
-    p.add_argument("--strategy", default="decompose", choices=["auto", "decompose", "none"])
+    p.add_argument("--strategy", default="decompose", choices=["auto", "decompose", "fuse", "none"])
     p.add_argument("--chunks", default="auto")
     args = p.parse_args(argv)
     chunks = args.chunks if args.chunks == "auto" else int(args.chunks)

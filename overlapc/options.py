@@ -35,7 +35,8 @@ class Options:
     overrides: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Per-site options: {site-name glob: {"strategy": ..., "chunks": ...}}; the first matching glob wins."""
     hardware: str | None = None
-    """Cost-model profile name or path to a profile file; None: the profile of this machine."""
+    """Cost-model profile: "cpu-local" (``overlapc calibrate``), "cpu-default", "h100-nvlink", "h200-nvlink",
+    "ib-400g", or the path of a profile JSON file; None: the profile of the machine this runs on."""
     timeout: float = 300.0
     """Seconds a fused op may wait for its peers before it raises an error naming the op (strategy "fuse")."""
     mode: str | None = None
@@ -53,6 +54,9 @@ class Options:
             raise OverlapError(f"option 'timeout' must be a number of seconds > 0; got {self.timeout!r}")
         if self.hardware is not None and not isinstance(self.hardware, str):
             raise OverlapError(f"option 'hardware' must be a profile name or a file path; got {self.hardware!r}")
+        if self.hardware is not None:
+            from overlapc.passes.cost import load_profile
+            load_profile(self.hardware)  # a wrong name or a malformed file fails here, naming it
         if self.mode is not None and not isinstance(self.mode, str):
             raise OverlapError(f"option 'mode' must be a torch.compile mode string; got {self.mode!r}")
         if not isinstance(self.overrides, Mapping):

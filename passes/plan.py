@@ -2,14 +2,21 @@
 
 The decision is a pure function of the site's shapes, the options and the hardware
 profile, so every rank reaches the same plan (a rank that planned differently would
-issue different collectives and deadlock).
+issue different collectives and deadlock; overlapc/agree.py checks that they did not).
 
-Until the cost model lands, ``strategy="auto"`` is a size rule: it decomposes a site when
-its collective moves at least ``AUTO_MIN_BYTES`` per rank (below that, the latency each
-extra collective adds costs more than overlap can hide: about 1 ms per gloo collective
-measured on the emulated cluster, see BENCHMARKS.md), and ``chunks="auto"`` takes as many
-chunks as keep each at least ``MIN_ROWS_PER_CHUNK`` rows, at most ``MAX_AUTO_CHUNKS``.
-``strategy="decompose"`` rewrites every site that can be rewritten, whatever its size.
+AllGather -> mm, mm -> ReduceScatter and mm -> AllReduce sites are planned by the cost
+model (passes/cost.py) under the profile of ``options.hardware`` (default: this machine's):
+it predicts the site's time as it is and as an n-chunk pipeline for every n the site
+allows, and ``strategy="auto"`` rewrites the site with the best n unless the predicted
+gain is below the profile's ``min_gain`` (the reason names the gain, the threshold, the
+shape and the predicted times). ``chunks="auto"`` takes the model's best n under
+``strategy="decompose"`` too. Every planned site carries its prediction in
+``details["predicted"]``.
+
+All-to-all regions keep a rule (``chunks="auto"`` = min(4, extent); ``strategy="auto"``
+rewrites them when their all-to-all moves at least ``AUTO_MIN_BYTES`` per rank): the model
+has no formula for a region's three-stage pipeline yet.
+
 ``strategy="fuse"`` replaces AllGather -> mm and mm -> ReduceScatter sites by the fused
 Triton ops (passes/fuse.py) where the group has symmetric memory, and says why elsewhere.
 "auto" never fuses yet: on the CPU the kernels run in Triton's interpreter (for
@@ -17,22 +24,66 @@ correctness, far slower than BLAS), and the multi-GPU workspace is not built.
 """
 from __future__ import annotations
 
+from overlapc.errors import OverlapError
 from overlapc.options import Options
 
-from . import fuse, lower
+from . import cost, fuse, lower, ops
 from .deps import DepGraph
 from .sites import MatchedSite
 
 MAX_AUTO_CHUNKS = 4
 MIN_ROWS_PER_CHUNK = 32
 AUTO_MIN_BYTES = 1 << 20
+MODELLED = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 
 
 def auto_chunks(extent: int) -> int:
+    """The rows rule (kept for sites the model does not cover)."""
     return max(2, min(MAX_AUTO_CHUNKS, extent // MIN_ROWS_PER_CHUNK))
 
 
+def predict_site(site: MatchedSite, profile: cost.Profile, extent: int) -> cost.Prediction | None:
+    """The cost model's view of one site, or None where it has no numbers (symbolic shapes)."""
+    nbytes = site.comm_bytes()
+    if nbytes is None or site.world is None:
+        return None
+    if site.pattern == "all_gather_matmul":
+        from .all_gather_matmul import row_uses
+        mms = [u.matmul for u in row_uses(site)]
+    else:
+        mms = site.matmuls
+    pairs = []
+    for m in mms:
+        lhs = ops.MATMULS[m.target][0]
+        a, out = ops.val(m.args[lhs]), ops.val(m)
+        if a is None or out is None:
+            return None
+        pairs.append((a, out))
+    try:
+        flops = cost.site_flops(pairs)
+    except OverlapError:
+        return None
+    dtype = str(ops.val(site.coll.args[0]).dtype).replace("torch.", "")
+    # What the rewrite copies: chunk outputs concatenated back (AG: every consumer's output;
+    # RS/AR: the collective's output) and, for RS, the GEMM inputs regrouped by rank.
+    if site.pattern == "all_gather_matmul":
+        copied = sum(_nbytes(out) for _, out in pairs)
+    else:
+        copied = _nbytes(ops.val(site.coll))
+        if site.pattern == "matmul_reduce_scatter":
+            copied += sum(_nbytes(a) for a, _ in pairs)
+    return cost.predict(site.pattern, nbytes, flops, site.world, dtype, profile, extent, copy_bytes=copied)
+
+
+def _nbytes(v) -> int:
+    try:
+        return int(v.numel()) * v.element_size()
+    except (TypeError, AttributeError):
+        return 0
+
+
 def plan_sites(sites: list[MatchedSite], options: Options, deps: DepGraph) -> None:
+    profile = cost.load_profile(options.hardware) if sites else None
     for site in sites:
         per_site = options.for_site(site.name)
         strategy, chunks = per_site["strategy"], per_site["chunks"]
@@ -55,10 +106,6 @@ def plan_sites(sites: list[MatchedSite], options: Options, deps: DepGraph) -> No
                 n = min(lower.RULES[type(site)].extent(site), MAX_AUTO_CHUNKS if chunks == "auto" else chunks)
             site.strategy, site.chunks, site.status, site.timeout = "fuse", n, "planned", options.timeout
             continue
-        if strategy == "auto" and nbytes is not None and nbytes < AUTO_MIN_BYTES:
-            site.reason = (f"collective moves {nbytes / 1024:.0f} KiB per rank: below {AUTO_MIN_BYTES >> 10} KiB "
-                           "the latency of extra collectives outweighs the overlap (strategy='decompose' forces it)")
-            continue
         rule = lower.RULES.get(type(site))
         if rule is None:
             site.reason = f"no decomposition for {site.pattern} sites yet"
@@ -68,9 +115,33 @@ def plan_sites(sites: list[MatchedSite], options: Options, deps: DepGraph) -> No
             site.reason = why
             continue
         extent = rule.extent(site)
-        n = (rule.auto_chunks or auto_chunks)(extent) if chunks == "auto" else chunks
+        pred = predict_site(site, profile, extent) if site.pattern in MODELLED else None
+        if pred is not None:
+            site.details["predicted"] = {"profile": profile.name, **pred.to_dict(), "bytes": nbytes,
+                                         "flops": pred.flops, "dtype": pred.dtype, "copy_bytes": pred.copy_bytes}
+            if strategy == "auto" and pred.gain < profile.min_gain:
+                site.reason = cost.describe_skip(pred, profile, _where(site))
+                continue
+        elif strategy == "auto" and nbytes is not None and nbytes < AUTO_MIN_BYTES:
+            site.reason = (f"collective moves {nbytes / 1024:.0f} KiB per rank: below {AUTO_MIN_BYTES >> 10} KiB "
+                           "the latency of extra collectives outweighs the overlap (strategy='decompose' forces it)")
+            continue
+        if chunks != "auto":
+            n = chunks
+        elif pred is not None and pred.chunks:
+            n = pred.chunks
+        else:
+            n = (rule.auto_chunks or auto_chunks)(extent)
         if n > extent:
             if chunks != "auto":
                 site.details["chunks_clamped"] = f"{chunks} -> {extent}: only {extent} rows to split"
             n = extent
         site.strategy, site.chunks, site.status = "decompose", n, "planned"
+
+
+def _where(site: MatchedSite) -> str:
+    mm = site.matmuls[0] if site.matmuls else None
+    v = ops.val(mm) if mm is not None else None
+    if v is not None and v.dim() >= 2:
+        return f"M={v.shape[-2]}, N={v.shape[-1]}, {site.comm_bytes()} B per rank"
+    return f"{site.comm_bytes()} B per rank"

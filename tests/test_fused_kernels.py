@@ -26,6 +26,13 @@ import torch.distributed._functional_collectives as funcol
 
 from overlapc.runtime import symm
 
+@pytest.fixture(autouse=True)
+def no_segment_left():
+    """No test, passing or failing, leaves an overlapc segment in /dev/shm."""
+    yield
+    assert symm.leaked_segments() == []
+
+
 TOL = {"float32": dict(rtol=1e-5, atol=1e-5), "bfloat16": dict(rtol=1.6e-2, atol=2e-2)}
 
 # (shard shape, gather dim, chunks (None: 2 x world), consumers' N (negative: b is a t() view), return_a)
@@ -67,6 +74,15 @@ def fused_matrix(dtype: str):
         if not torch.allclose(got.float(), want.float(), **TOL[dtype]):
             fails.append(f"{name}: max |err| {errs[name]:.3g}")
 
+    def rs_case(shape, rd, n):
+        full = list(shape)
+        full[rd] *= world
+        x = torch.randn(full, dtype=dt)
+        w = torch.randn(full[-1], n, dtype=dt) / full[-1] ** 0.5
+        out = fused.matmul_reduce_scatter(x, w, rd, group.group_name, 60)
+        want = funcol.wait_tensor(funcol.reduce_scatter_tensor((x @ w).contiguous(), "sum", rd, group))
+        check(f"rs{tuple(full)}/{rd}", out, want)
+
     for i in range(2):  # twice: the second pass runs on a workspace at later epochs
         for shape, d, chunks, ns, return_a in AG_CASES:
             K = shape[-1]
@@ -81,22 +97,9 @@ def fused_matrix(dtype: str):
             for j, (o, b) in enumerate(zip(outs, bs)):
                 check(f"ag{shape}/{d} out{j}", o, ref @ b)
             # an RS call between AG calls: both share the workspace and its epochs
-            rs_shape, rd, n = RS_CASES[(len(errs) + i) % len(RS_CASES)]
-            full = list(rs_shape)
-            full[rd] *= world
-            x = torch.randn(full, dtype=dt)
-            w = torch.randn(full[-1], n, dtype=dt) / full[-1] ** 0.5
-            out = fused.matmul_reduce_scatter(x, w, rd, group.group_name, 60)
-            want = funcol.wait_tensor(funcol.reduce_scatter_tensor((x @ w).contiguous(), "sum", rd, group))
-            check(f"rs{tuple(full)}/{rd}", out, want)
-    for shape, rd, n in RS_CASES:
-        full = list(shape)
-        full[rd] *= world
-        x = torch.randn(full, dtype=dt)
-        w = torch.randn(full[-1], n, dtype=dt) / full[-1] ** 0.5
-        out = fused.matmul_reduce_scatter(x, w, rd, group.group_name, 60)
-        want = funcol.wait_tensor(funcol.reduce_scatter_tensor((x @ w).contiguous(), "sum", rd, group))
-        check(f"rs{tuple(full)}/{rd}", out, want)
+            rs_case(*RS_CASES[(len(errs) + i) % len(RS_CASES)])
+    for case in RS_CASES:
+        rs_case(*case)
     # A late rank: its chunks land long after the others' kernels started; they must wait for
     # them (their buffers still hold the previous call's rows of the same shape).
     for late in range(2):

@@ -219,13 +219,13 @@ def test_full_slices_are_seen_through(fake_mesh8):
 
 
 def test_auto_leaves_small_sites_alone(fake_mesh8):
-    """strategy "auto" skips sites whose collective moves less than AUTO_MIN_BYTES, saying so;
-    "decompose" rewrites them anyway."""
-    from overlapc.passes.plan import AUTO_MIN_BYTES, auto_chunks
+    """strategy "auto" skips sites where the cost model predicts no gain, saying why with the
+    numbers; "decompose" rewrites them anyway. The all-to-all regions' rule is unchanged."""
+    from overlapc.passes.plan import auto_chunks
 
     model, inputs = llama.build_tp_sp(fake_mesh8, n_layers=1)
-    report = overlapc.explain(model, *inputs)
+    report = overlapc.explain(model, *inputs, options={"hardware": "cpu-default"})
     sites = [s for s in report.sites if s.pattern != "collective"]
-    assert sites and all(s.status == "skipped" and "KiB per rank" in s.reason for s in sites)
-    assert all(s.comm_bytes < AUTO_MIN_BYTES for s in sites)
+    assert sites and all(s.status == "skipped" and "predicted gain" in s.reason for s in sites)
+    assert all("profile 'cpu-default'" in s.reason and s.details["predicted"]["gain"] < 0.03 for s in sites)
     assert [auto_chunks(n) for n in (16, 64, 96, 128, 100000)] == [2, 2, 3, 4, 4]

@@ -1,0 +1,168 @@
+"""Measure this world's hardware profile: GEMM rates and link alpha/beta (a few seconds).
+
+    overlapc calibrate --world-size 2 [--out FILE]      # spawns a local gloo world
+    profile = overlapc.calibrate.measure(group)          # inside a running world, every rank
+
+Every rank measures; rank 0's numbers are broadcast, so every rank plans with the same
+profile (a rank that planned from other numbers would issue other collectives).
+
+GEMM: square-ish ``mm`` of several sizes per dtype; the model's curve
+``t = (F + F_half) / (peak * eff_max)`` is a straight line in F, fitted by least squares
+(``peak * eff_max`` from the slope, ``F_half`` from the intercept; eff_max is 1 here:
+"peak" is the best measured rate). Link: ``all_gather_into_tensor`` of several sizes;
+``t = (W-1) * alpha + (W-1) * B / beta``: beta from the slope over the three largest. The reduce-scatter factor is the
+measured ratio of a reduce-scatter to the ring formula (gloo runs it as an all-reduce).
+Overlap loss: an all-gather and a run of GEMMs of about the same duration started
+together; the part of the shorter one that did not hide. Alpha: 16 tiny all-gathers
+in a row; chunk overhead: six tiny ops (the slices, views and concatenation parts a chunk
+adds). Copy rate: a 64 MiB copy.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+import torch.distributed as dist
+
+GEMM_SIZES = [(128, 256, 256), (256, 512, 512), (512, 1024, 1024), (1024, 1024, 1024)]
+COMM_BYTES = [1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 22]
+
+
+def _median(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def _fit(xs, ys):
+    """Least-squares line y = a + b x; returns (a, b)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def _comm_time(fn, group, reps: int) -> float:
+    """Median over reps of the slowest rank's time (barrier before each)."""
+    ts = []
+    for _ in range(reps + 1):
+        dist.barrier(group)
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    ts = sorted(ts[1:])
+    t = torch.tensor([ts[len(ts) // 2]], dtype=torch.float64)
+    dist.all_reduce(t, dist.ReduceOp.MAX, group)
+    return float(t)
+
+
+def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str = "cpu-local") -> dict:
+    group = group or dist.group.WORLD
+    world = dist.get_world_size(group)
+    gemm, points = {}, {}
+    for dt in dtypes:
+        dtype = getattr(torch, dt)
+        flops, times = [], []
+        for m, n, k in GEMM_SIZES:
+            a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+            flops.append(2 * m * n * k)
+            times.append(_median(lambda: torch.mm(a, b), reps))
+        points[dt] = [[f, round(t, 9)] for f, t in zip(flops, times)]
+        icpt, slope = _fit(flops, times)
+        rate = 1 / slope if slope > 0 else max(f / t for f, t in zip(flops, times))
+        half = max(0.0, icpt * rate)
+        gemm[dt] = {"peak_tflops": rate / 1e12, "eff_max": 1.0, "half_gflop": half / 1e9}
+    xs, ys, ratio = [], [], []
+    for nbytes in COMM_BYTES:
+        x = torch.empty(nbytes // 4, dtype=torch.float32)
+        out = torch.empty(world * x.numel(), dtype=torch.float32)
+        t = _comm_time(lambda: dist.all_gather_into_tensor(out, x, group=group), group, reps)
+        xs.append((world - 1) * nbytes)
+        ys.append(t)
+        full = torch.empty(world * x.numel(), dtype=torch.float32)
+        t_rs = _comm_time(lambda: dist.reduce_scatter_tensor(x, full, group=group), group, reps)
+        ratio.append((t_rs, world * nbytes))
+    # Bandwidth from the large transfers (a least-squares intercept over all sizes would be
+    # dominated by the large ones and is often negative: latency is measured on its own).
+    _, slope = _fit(xs[-3:], ys[-3:])
+    beta = 1 / slope if slope > 0 else max(x / y for x, y in zip(xs, ys))
+    # Alpha: 16 tiny all-gathers in a row, each waited on (as a chunked pipeline issues them
+    # on gloo); the mean latency per ring step. (One lone message is too noisy, and chunks
+    # of real sizes ride the shaper's burst bucket, which hides latency that a pipeline's
+    # chunks, spread out in time, do pay.)
+    tiny_in, tiny_out = torch.empty(16), torch.empty(16 * world)
+
+    def tiny_seq():
+        for _ in range(16):
+            dist.all_gather_into_tensor(tiny_out, tiny_in, group=group)
+    alpha = max(_comm_time(tiny_seq, group, reps) / (16 * max(world - 1, 1)), 1e-6)
+    # reduce-scatter of B input bytes vs the ring formula for it
+    rs = [t / ((world - 1) * alpha + (world - 1) / world * b / beta) for t, b in ratio[-2:]]
+    # Per chunk, the rewritten graph also runs a few more small ops (slice, view, cat part).
+    tiny = torch.randn(8, 8)
+    overhead = 6 * _median(lambda: torch.mm(tiny, tiny), reps)
+    # Overlap loss: a GEMM and an all-gather of about the same duration, run together.
+    a = torch.randn(512, 1024)
+    b = torch.randn(1024, 1024)
+    t_mm = _median(lambda: torch.mm(a, b), reps)
+    big = torch.empty(COMM_BYTES[-1] // 4)
+    big_out = torch.empty(world * big.numel())
+    t_ag = _comm_time(lambda: dist.all_gather_into_tensor(big_out, big, group=group), group, reps)
+    reps_mm = max(1, round(t_ag / t_mm))
+
+    def both():
+        work = dist.all_gather_into_tensor(big_out, big, group=group, async_op=True)
+        for _ in range(reps_mm):
+            torch.mm(a, b)
+        work.wait()
+    t_both = _comm_time(both, group, reps)
+    g_dur = reps_mm * t_mm
+    loss = min(1.0, max(0.0, (t_both - max(g_dur, t_ag)) / min(g_dur, t_ag)))
+    # Local copy rate (read + write of a 64 MiB tensor counted once), for the concatenations.
+    src = torch.empty(1 << 24, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    copy_bw = src.numel() * 4 / _median(lambda: dst.copy_(src), reps)
+    prof = {
+        "name": name,
+        "source": (f"measured by overlapc calibrate on {time.strftime('%Y-%m-%d %H:%M')} UTC, world {world}, "
+                   f"backend {dist.get_backend(group)}, {torch.get_num_threads()} torch thread(s): "
+                   f"mm of {GEMM_SIZES}, all_gather_into_tensor / reduce_scatter_tensor of {COMM_BYTES} B"),
+        "gemm": gemm,
+        "link": {"alpha_us": alpha * 1e6, "beta_gbps": beta / 1e9},
+        "chunk_overhead_us": overhead * 1e6,
+        "copy_gbps": copy_bw / 1e9,
+        "overlap_loss": round(loss, 3),
+        "min_gain": 0.03,
+        "concurrent_reductions": dist.get_backend(group) == "gloo",
+        "rs_factor": round(sum(rs) / len(rs), 2),
+        "fused_efficiency": None,
+        "measured": {"mm_flops_s": points, "all_gather_bytes_s": [[x, round(y, 9)] for x, y in zip(xs, ys)]},
+    }
+    obj = [prof]
+    dist.broadcast_object_list(obj, src=dist.get_global_rank(group, 0), group=group)
+    return obj[0]
+
+
+def calibrate_job(threads: int = 1):
+    torch.set_num_threads(threads)
+    return measure()
+
+
+def main(world_size: int, out: str | None, threads: int = 1) -> str:
+    from pathlib import Path
+
+    from overlapc.passes.cost import CACHE_DIR
+
+    from .world import World
+    with World(world_size, timeout=300, threads=threads) as w:
+        prof = w.run(calibrate_job, threads)[0]
+    path = Path(out) if out else CACHE_DIR / "cpu-local.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(prof, indent=1))
+    return str(path)

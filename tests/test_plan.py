@@ -1,0 +1,155 @@
+"""The cost model and planner (passes/cost.py, passes/plan.py), profiles, `overlapc plan`
+and `overlapc calibrate`. Predictions are checked against the formulas, not against
+timings (those are in benchmarks/bench_plan.py)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import sympy
+
+import overlapc
+from overlapc import OverlapError
+from overlapc.passes import cost
+
+
+@pytest.mark.parametrize("name", ["cpu-default", "h100-nvlink", "h200-nvlink", "ib-400g"])
+def test_builtin_profiles_load_and_name_their_source(name):
+    p = cost.load_profile(name)
+    assert p.name == name and len(p.source) > 80
+    assert p.link.alpha > 0 and p.link.beta > 0 and p.gemm["float32"].peak_flops > 0
+    if name != "cpu-default":
+        assert "datasheet" in p.source
+
+
+def test_bad_profiles_are_errors_that_say_what_is_allowed(tmp_path, monkeypatch):
+    with pytest.raises(OverlapError, match="option 'hardware' must be one of 'cpu-local'.*got 'a100'"):
+        overlapc.Options(hardware="a100")
+    bad = tmp_path / "p.json"
+    bad.write_text(json.dumps({"name": "x", "source": "y", "gemm": {}}))
+    with pytest.raises(OverlapError, match=f"hardware profile '{bad}' is malformed: KeyError"):
+        cost.load_profile(str(bad))
+    monkeypatch.setattr(cost, "CACHE_DIR", tmp_path / "none")
+    with pytest.raises(OverlapError, match="run `overlapc calibrate"):
+        cost.load_profile("cpu-local")
+    assert cost.default_profile_name() == "cpu-default"
+
+
+def test_collective_formulas():
+    p = cost.load_profile("h100-nvlink")
+    a, b = p.link.alpha, p.link.beta
+    B = 8 << 20
+    assert float(cost.t_comm("all_gather", B, 8, p)) == pytest.approx(7 * a + 7 * B / b)
+    assert float(cost.t_comm("reduce_scatter", B, 8, p)) == pytest.approx(7 * a + 7 / 8 * B / b)
+    assert float(cost.t_comm("all_reduce", B, 8, p)) == pytest.approx(2 * (7 * a + 7 / 8 * B / b))
+    assert float(cost.t_comm("all_gather", B, 1, p)) == 0
+    g = p.gemm["bfloat16"]
+    assert float(cost.t_gemm(g.half_flops, g)) == pytest.approx(2 * g.half_flops / (g.peak_flops * g.eff_max))
+
+
+def test_symbolic_shapes_give_expressions_that_agree_with_numbers():
+    p = cost.load_profile("h100-nvlink")
+    g = p.gemm["bfloat16"]
+    s0 = sympy.Symbol("s0", positive=True, integer=True)
+    rows = 512 * s0
+    nbytes, flops = rows * 4096 * 2, 2 * rows * 8 * 4096 * 1024
+    expr = cost.t_pipeline(True, None, flops, "all_gather", nbytes, 8, g, p, 4, copy_bytes=rows * 8 * 1024 * 2)
+    assert expr.free_symbols == {s0}
+    num = cost.t_pipeline(True, None, flops.subs(s0, 4), "all_gather", nbytes.subs(s0, 4), 8, g, p, 4,
+                          copy_bytes=4 * 512 * 8 * 1024 * 2)
+    assert float(expr.subs(s0, 4)) == pytest.approx(float(num))
+
+
+def test_predict_prefers_overlap_when_balanced_and_skips_tiny_sites():
+    p = cost.load_profile("h100-nvlink")
+    # Llama-8B-like column-parallel GEMM, TP 8: comm and GEMM of the same order.
+    big = cost.predict("all_gather_matmul", 8192 // 8 * 4096 * 2, 2 * 8192 * 4096 * 1792, 8, "bfloat16", p, 1024)
+    assert big.strategy == "decompose" and big.gain > p.min_gain and 2 <= big.chunks <= 8
+    assert big.best == min(big.per_chunks.values())
+    # The pipeline can hide at most the shorter of comm and GEMM.
+    assert big.base - big.best <= min(big.comm, big.gemm) + 1e-12
+    tiny = cost.predict("all_gather_matmul", 16 * 128 * 2, 2 * 128 * 128 * 128, 8, "bfloat16", p, 16)
+    assert tiny.gain < 0  # per-chunk latency costs more than there is to hide
+    # Chunking has a cost: beyond the best count, more chunks are predicted slower.
+    times = [big.per_chunks[n] for n in sorted(big.per_chunks)]
+    best_i = times.index(min(times))
+    assert all(times[i] <= times[i + 1] for i in range(best_i, len(times) - 1))
+
+
+def test_auto_skips_small_sites_with_the_models_reason(fake_mesh8):
+    from overlapc.models import llama
+
+    model, inputs = llama.build_tp_sp(fake_mesh8, n_layers=1)
+    report = overlapc.explain(model, *inputs, options={"hardware": "h100-nvlink"})
+    sites = [s for s in report.sites if s.pattern != "collective"]
+    assert sites and all(s.status == "skipped" for s in sites)
+    for s in sites:
+        assert "predicted gain" in s.reason and "below the threshold 2% of profile 'h100-nvlink'" in s.reason, s.reason
+        assert "M=" in s.reason and s.details["predicted"]["base_ms"] > 0
+
+
+def _balanced_profile(tmp_path) -> str:
+    prof = json.loads((cost.PROFILE_DIR / "h100-nvlink.json").read_text())
+    prof.update(name="balanced", link={"alpha_us": 1.0, "beta_gbps": 100})
+    prof["gemm"]["bfloat16"] = {"peak_tflops": 40, "eff_max": 1.0, "half_gflop": 0.1}
+    path = tmp_path / "balanced.json"
+    path.write_text(json.dumps(prof))
+    return str(path)
+
+
+def test_auto_overlaps_large_sites_with_the_models_chunk_count(fake_mesh8, tmp_path):
+    from overlapc.models import llama
+
+    model, inputs = llama.build_tp_sp(fake_mesh8, n_layers=1, dim=2048, n_heads=16, ffn_dim=5632, seq=4096,
+                                      batch=1, dtype="bfloat16")
+    # A profile (a file, as users pass their own) where this shape's transfers and GEMMs
+    # take about as long: overlap pays.
+    path = _balanced_profile(tmp_path)
+    report = overlapc.explain(model, *inputs, options={"hardware": str(path)})
+    modelled = [s for s in report.sites if s.details.get("predicted")]
+    assert len(modelled) == 10
+    rewritten = [s for s in modelled if s.status == "rewritten"]
+    assert len(rewritten) >= 6, str(report)
+    for s in rewritten:
+        p = s.details["predicted"]
+        assert s.chunks == p["chunks"] and p["gain"] >= 0.02 and p["profile"] == "balanced"
+    for s in modelled:
+        if s.status == "skipped":
+            assert "predicted gain" in s.reason
+
+
+def test_plan_cli_json_and_trace(tmp_path, capsys):
+    from overlapc.cli import main
+
+    trace = tmp_path / "plan.json"
+    rc = main(["plan", "overlapc.models.llama:build_tp_sp", "--world-size", "8", "--hardware", _balanced_profile(tmp_path),
+               "--arg", "dim=2048", "--arg", "n_heads=16", "--arg", "ffn_dim=5632", "--arg", "seq=4096",
+               "--arg", "batch=1", "--arg", "dtype='bfloat16'", "--arg", "n_layers=1", "--json", "--trace", str(trace)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    rows = json.loads(out[: out.rindex("]") + 1])
+    assert len(rows) == 10 and all(r["profile"] == "balanced" and r["base_ms"] > 0 for r in rows)
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1} and {e["cat"] for e in spans} == {"compute", "comm"}
+    planned = [e for e in spans if e["pid"] == 1]
+    assert any(e["name"].startswith("gemm 1") for e in planned)  # a chunked site is drawn chunk by chunk
+    assert (tmp_path / "plan.png").stat().st_size > 1000
+    assert main(["plan", "overlapc.models.llama:build_tp_sp", "-w", "8", "--hardware", "tpu"]) == 2
+
+
+def calibrate_job():
+    from overlapc.calibrate import measure
+    return measure(reps=3)
+
+
+@pytest.mark.distributed
+def test_calibrate_gives_every_rank_rank0s_numbers(world2, tmp_path):
+    profs = world2.run(calibrate_job)
+    assert profs[0] == profs[1]
+    p = profs[0]
+    assert p["link"]["beta_gbps"] > 0 and p["link"]["alpha_us"] > 0 and p["copy_gbps"] > 0
+    assert p["gemm"]["float32"]["peak_tflops"] > 0
+    f = tmp_path / "local.json"
+    f.write_text(json.dumps(p))
+    assert cost.load_profile(str(f)).name == "cpu-local"
