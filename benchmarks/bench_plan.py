@@ -23,13 +23,12 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from benchmarks import common
+from benchmarks import common, harness
 
 CHUNKS = [2, 3, 4, 6, 8]
 # (M rows gathered / scattered in total, K, N): comm-bound, balanced, compute-bound at the rates below
@@ -81,11 +80,6 @@ def plan_job(kind: str, shape, profile_path: str, iters: int) -> dict:
             "auto_chunks": site.chunks, "spread": {k: [min(v), max(v)] for k, v in times.items()}}
 
 
-def calibrate_job():
-    from overlapc.calibrate import measure
-    return measure(name="emulated-cluster")
-
-
 def run(args) -> list[dict]:
     from benchmarks.cluster import EmulatedCluster
 
@@ -95,12 +89,9 @@ def run(args) -> list[dict]:
         for rate in args.rates:
             with EmulatedCluster(world_size, rate_mbit=rate) as cluster:
                 with cluster.world(timeout=3600) as world:
-                    prof = world.run(calibrate_job)[0]
-                    prof["name"] = f"emulated-w{world_size}-{rate:g}mbit"
-                    fd, path = tempfile.mkstemp(suffix=".json", prefix="overlapc-profile-")
-                    with os.fdopen(fd, "w") as f:
-                        json.dump(prof, f)
-                    os.chmod(path, 0o644)
+                    path = harness._calibrated_profile(world, world_size, rate)
+                    with open(path) as f:
+                        prof = json.load(f)
                     print(f"w{world_size} {rate:g} Mbit/s: alpha {prof['link']['alpha_us']:.0f} us, beta "
                           f"{prof['link']['beta_gbps'] * 1e3:.1f} MB/s, rs_factor {prof['rs_factor']}, fp32 GEMM "
                           f"{prof['gemm']['float32']['peak_tflops'] * 1e3:.0f} GFLOP/s", flush=True)

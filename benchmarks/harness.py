@@ -50,7 +50,7 @@ def _variants(cfg):
     opts = {
         "base": Options(inner=inner, strategy="none", schedule=False),
         "overlapc": Options(inner=inner, strategy="decompose", chunks=cfg["chunks"],
-                            overrides=cfg.get("overrides", {})),
+                            overrides=cfg.get("overrides", {}), hardware=cfg.get("hardware")),
         "compute": Options(inner=inner, strategy="none", schedule=False),
     }
     out = {}
@@ -113,6 +113,25 @@ def bench_job(cfg: dict) -> dict:
     return result
 
 
+def calibrate_job():
+    from overlapc.calibrate import measure
+    return measure(name="emulated-cluster")
+
+
+def _calibrated_profile(world, world_size: int, rate: float) -> str:
+    """`overlapc calibrate` inside the cluster; the profile's path (a temporary file)."""
+    import json
+    import tempfile
+
+    prof = world.run(calibrate_job)[0]
+    prof["name"] = f"emulated-w{world_size}-{rate:g}mbit"
+    fd, path = tempfile.mkstemp(suffix=".json", prefix="overlapc-profile-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(prof, f)
+    os.chmod(path, 0o644)
+    return path
+
+
 def run(bench: Bench, model: dict, args) -> list[dict]:
     from benchmarks.cluster import EmulatedCluster
 
@@ -133,7 +152,12 @@ def run(bench: Bench, model: dict, args) -> list[dict]:
                             cluster.set_rate(round(rate, 1))
                             print(f"  calibrate w{world_size} {mode}: compute {cal['t_compute']*1e3:.0f} ms, "
                                   f"comm {cal['t_comm']*1e3:.0f} ms -> rate {rate:.0f} Mbit/s", flush=True)
-                    res = world.run(bench_job, {**cfg, "profile": args.timeline})[0]
+                    # chunks="auto" is the planner's count: plan with this cluster's profile.
+                    profile_path = _calibrated_profile(world, world_size, rate)
+                    try:
+                        res = world.run(bench_job, {**cfg, "profile": args.timeline, "hardware": profile_path})[0]
+                    finally:
+                        os.unlink(profile_path)
             res.update(world_size=world_size, mode=mode, rate_mbit=round(rate, 1), inner=args.inner,
                        chunks=args.chunks, model=model)
             print(f"w{world_size} {mode:8s} rate {rate:6.0f} Mbit/s  base {res['t_base']*1e3:7.1f} ms  "
