@@ -9,8 +9,10 @@ model (passes/cost.py) under the profile of ``options.hardware`` (default: this 
 it predicts the site's time as it is and as an n-chunk pipeline for every n the site
 allows, and ``strategy="auto"`` rewrites the site with the best n unless the predicted
 gain is below the profile's ``min_gain`` (the reason names the gain, the threshold, the
-shape and the predicted times). ``chunks="auto"`` takes the model's best n under
-``strategy="decompose"`` too. Every planned site carries its prediction in
+shape and the predicted times). ``chunks="auto"`` takes the model's n under
+``strategy="decompose"`` too: one n for the sites of a graph that chunk the same rows (so
+that their chunks can chain), the fewest chunks within ``min_gain`` of the best summed
+prediction (see ``_agree_on_chunks``). Every planned site carries its prediction in
 ``details["predicted"]``.
 
 All-to-all regions keep a rule (``chunks="auto"`` = min(4, extent); ``strategy="auto"``
@@ -84,6 +86,41 @@ def _nbytes(v) -> int:
 
 def plan_sites(sites: list[MatchedSite], options: Options, deps: DepGraph) -> None:
     profile = cost.load_profile(options.hardware) if sites else None
+    _plan_each(sites, options, deps, profile)
+    _agree_on_chunks(sites, options, profile)
+    for s in sites:
+        s.details.pop("chunks_fixed", None)
+
+
+def _agree_on_chunks(sites: list[MatchedSite], options: Options, profile) -> None:
+    """One chunk count for the modelled sites of a graph that chunk the same number of rows.
+
+    Such sites can chain (an MLP's all-gather chunks feed its reduce-scatter's chunks directly,
+    passes/rows.py) only when their row layouts, hence their counts, are equal; and the
+    model's curves are flat near their minimum. So the count is the one that minimises the
+    sites' summed predicted time, and of the counts within ``min_gain`` of that minimum (the
+    model cannot tell them apart) the fewest: every extra chunk costs latency the model
+    prices only approximately."""
+    groups: dict[tuple, list[MatchedSite]] = {}
+    for s in sites:
+        pred = s.details.get("predicted")
+        if s.status != "planned" or s.strategy != "decompose" or not pred or s.details.get("chunks_fixed"):
+            continue
+        groups.setdefault((s.world, lower.RULES[type(s)].extent(s)), []).append(s)
+    for group in groups.values():
+        counts = set.intersection(*(set(map(int, s.details["predicted"]["by_chunks_ms"])) for s in group))
+        if not counts:
+            continue
+        total = {n: sum(s.details["predicted"]["by_chunks_ms"][str(n)] for s in group) for n in counts}
+        best = min(total.values())
+        n = min(c for c in counts if total[c] <= best * (1 + profile.min_gain))
+        for s in group:
+            s.chunks = n
+            s.details["predicted"]["chunks"] = n
+            s.details["predicted"]["best_ms"] = s.details["predicted"]["by_chunks_ms"][str(n)]
+
+
+def _plan_each(sites: list[MatchedSite], options: Options, deps: DepGraph, profile) -> None:
     for site in sites:
         per_site = options.for_site(site.name)
         strategy, chunks = per_site["strategy"], per_site["chunks"]
@@ -128,6 +165,7 @@ def plan_sites(sites: list[MatchedSite], options: Options, deps: DepGraph) -> No
             continue
         if chunks != "auto":
             n = chunks
+            site.details["chunks_fixed"] = True
         elif pred is not None and pred.chunks:
             n = pred.chunks
         else:
