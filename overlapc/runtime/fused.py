@@ -107,7 +107,7 @@ def _finish(ws: symm.SymmetricMemory, dog: _Watchdog, op: str, epoch: int, missi
     dog.stop()
     if not int(ws.abort_word()[0]):
         return
-    symm._WORKSPACES.pop(next((k for k, v in symm._WORKSPACES.items() if v is ws), None), None)
+    symm.discard(ws)  # its peers' state is unknown now: the next call rendezvouses afresh
     if dog.fired:
         ws.fail(op, missing())
     ws.check_abort(op)
@@ -248,7 +248,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, scatter_dim: int, gr
         ws.wait_done(epoch, dog.deadline, op)  # peers have read the previous call out of their buffers
     except OverlapError:
         dog.stop()
-        symm._WORKSPACES.pop(next((k for k, v in symm._WORKSPACES.items() if v is ws), None), None)
+        symm.discard(ws)
         raise
 
     from overlapc.kernels.gemm import gemm_rs_producer, rs_reduce_consumer

@@ -245,6 +245,13 @@ def workspace(group, nbytes: int, n_flags: int, device: torch.device, timeout: f
     return new
 
 
+def discard(ws: SymmetricMemory) -> None:
+    """Forget a workspace whose call failed (peers may be dead or mid-call)."""
+    for k, v in list(_WORKSPACES.items()):
+        if v is ws:
+            del _WORKSPACES[k]
+
+
 def release_all() -> None:
     for ws in _WORKSPACES.values():
         ws.close()
