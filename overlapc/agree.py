@@ -21,9 +21,14 @@ SKIP_BACKENDS = ("fake",)
 
 def plan_key(site: Site) -> tuple:
     """What must be identical across ranks for one site: everything that decides which
-    collectives the rewritten graph issues."""
+    collectives the rewritten graph issues. Where the rewrite cuts rows at run time (the
+    dropless pipeline: split sizes are exchanged, chunks follow from them on both ends),
+    ranks may hold different numbers of rows: only the other dims must agree."""
+    inp, out = site.shapes.get("input"), site.shapes.get("output")
+    if site.details.get("rows") == "at run time":
+        inp, out = (s[1:] if isinstance(s, list) else s for s in (inp, out))
     return (site.name, site.pattern, site.collective_op, site.status, site.strategy, site.chunks,
-            repr(site.shapes.get("input")), repr(site.shapes.get("output")))
+            repr(inp), repr(out))
 
 
 def _describe(key: tuple | None) -> str:

@@ -310,8 +310,9 @@ def rewrite(site, chunks: int, site_of) -> None:
     for s in other:
         if s is not site:
             s.status, s.strategy, s.chunks = "rewritten", "decompose", chunks
-            s.details.update(chained_from=site.name)
+            s.details.update(chained_from=site.name, rows="at run time")
     site.details["chunking"] = "at run time: every peer's block in chunks weighted 1,2,..,2,1"
+    site.details["rows"] = "at run time"  # row counts may differ across ranks (overlapc/agree.py)
 
 
 def _body(p: Pipeline) -> GraphModule:

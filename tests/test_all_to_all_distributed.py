@@ -75,7 +75,7 @@ def moe_job(config: dict, routings: list) -> dict:
     ref, model, compiled, be = _COMPILED[key]
     from overlapc.runtime.dropless import DroplessPipeline
     calls_before = DroplessPipeline.calls
-    tokens = config.get("tokens", 32)
+    tokens = config.get("tokens", 32) + rank * config.get("tokens_step", 0)
     tol = TOL[config["dtype"]]
     worst, loads = 0.0, []
     for kind, seed in routings:
@@ -154,6 +154,8 @@ DROPLESS_CASES = [
     dict(form="grouped", top_k=2, dtype="bf16", chunks=2),
     dict(form="grouped", top_k=1, dtype="bf16", chunks=4),
     dict(form="grouped", top_k=2, dtype="bf16", chunks=8, tokens=8),  # most chunks of a block empty
+    # every rank its own token count: local shapes differ across ranks, plans must still agree
+    dict(form="grouped", top_k=2, dtype="bf16", chunks=3, tokens=8, tokens_step=4),
 ]
 
 
