@@ -66,8 +66,8 @@ def timeline(report: Report, opts: Options):
                                 p.get("copy_bytes", 0))
         base_ev += [(lane, lab, tb + t, d, s.name) for lane, lab, t, d in b]
         plan_ev += [(lane, lab, tp + t, d, s.name) for lane, lab, t, d in e]
-        tb = max(t + d for _, _, t, d, _ in base_ev)
-        tp = max(t + d for _, _, t, d, _ in plan_ev)
+        tb += max(t + d for _, _, t, d in b)  # the next site starts when this one has ended
+        tp += max(t + d for _, _, t, d in e)
     return base_ev, plan_ev
 
 

@@ -17,6 +17,8 @@ from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
+from overlapc.runtime.dropless import chunk_weights
+
 from . import ops
 
 _INHERITED = ("nn_module_stack", "fwd_nn_module_stack", "stack_trace", "source_fn_stack",
@@ -91,7 +93,7 @@ def chunk_sizes(n: int, chunks: int, taper: bool = True) -> list[int]:
     """
     if chunks < 1 or n < chunks:
         raise ValueError(f"cannot split {n} rows into {chunks} non-empty chunks")
-    weights = [1] + [2] * (chunks - 2) + [1] if taper and chunks >= 3 else [1] * chunks
+    weights = chunk_weights(chunks) if taper else [1] * chunks
     total = sum(weights)
     sizes = [max(1, n * w // total) for w in weights]
     # Hand out the remainder (or take back an excess) from the middle out.

@@ -43,12 +43,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import sympy
 
 from overlapc.errors import OverlapError
+from overlapc.runtime.dropless import chunk_weights
 
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "overlapc" / "profiles"
 if not PROFILE_DIR.is_dir():  # installed (non-editable): overlapc/profiles next to overlapc/
@@ -84,8 +86,6 @@ class Profile:
     overlap_loss: float = 0.0       # share of the shorter of (transfer, GEMM) that still shows when they overlap
     concurrent_reductions: bool = False  # chunked RS/AR run concurrently (gloo): their latencies overlap
     fused_efficiency: float | None = None  # fused kernels' GEMM rate relative to plain GEMMs; None: no fused kernels
-    path: str | None = None
-    raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     def gemm_for(self, dtype: str) -> Gemm:
         return self.gemm.get(dtype) or self.gemm.get("float32") or next(iter(self.gemm.values()))
@@ -101,7 +101,7 @@ def profile_from_dict(d: dict, path: str | None = None) -> Profile:
                        rs_factor=float(d.get("rs_factor", 1.0)), copy_bw=float(d.get("copy_gbps", 1000)) * 1e9,
                        overlap_loss=float(d.get("overlap_loss", 0.0)),
                        concurrent_reductions=bool(d.get("concurrent_reductions", False)),
-                       fused_efficiency=d.get("fused_efficiency"), path=path, raw=d)
+                       fused_efficiency=d.get("fused_efficiency"))
     except (KeyError, TypeError, ValueError) as e:
         raise OverlapError(f"hardware profile {path or d.get('name')!r} is malformed: {type(e).__name__}: {e}; "
                            f"see {PROFILE_DIR / 'h100-nvlink.json'} for the format") from e
@@ -116,18 +116,23 @@ def load_profile(name_or_path: str | None = None) -> Profile:
     if name_or_path.endswith(".json") or p.is_file():
         if not p.is_file():
             raise OverlapError(f"option 'hardware': no profile file {name_or_path!r}")
-        return profile_from_dict(json.loads(p.read_text()), str(p))
-    if name_or_path == "cpu-local":
-        local = CACHE_DIR / "cpu-local.json"
-        if not local.is_file():
+    elif name_or_path == "cpu-local":
+        p = CACHE_DIR / "cpu-local.json"
+        if not p.is_file():
             raise OverlapError("option 'hardware': profile 'cpu-local' has not been measured on this machine; "
                                "run `overlapc calibrate --world-size N` (or use 'cpu-default')")
-        return profile_from_dict(json.loads(local.read_text()), str(local))
-    f = PROFILE_DIR / f"{name_or_path}.json"
-    if not f.is_file():
-        raise OverlapError(f"option 'hardware' must be one of {', '.join(repr(b) for b in BUILTIN)} or a profile "
-                           f"file path; got {name_or_path!r}")
-    return profile_from_dict(json.loads(f.read_text()), str(f))
+    else:
+        p = PROFILE_DIR / f"{name_or_path}.json"
+        if not p.is_file():
+            raise OverlapError(f"option 'hardware' must be one of {', '.join(repr(b) for b in BUILTIN)} or a "
+                               f"profile file path; got {name_or_path!r}")
+    return _read_profile(str(p), p.stat().st_mtime_ns)
+
+
+@lru_cache(maxsize=32)
+def _read_profile(path: str, mtime_ns: int) -> Profile:
+    """Parsed once per file version: Options validation and every planned graph load it."""
+    return profile_from_dict(json.loads(Path(path).read_text()), path)
 
 
 def default_profile_name() -> str:
@@ -171,10 +176,6 @@ def t_comm(kind: str, nbytes, world: int, p: Profile):
     raise ValueError(f"unknown collective kind {kind!r}")
 
 
-def chunk_weights(n: int) -> list[int]:
-    return [1] + [2] * (n - 2) + [1] if n >= 3 else [1] * n
-
-
 def chunk_comm_times(kind: str, comm_first: bool, nbytes, world: int, p: Profile, weights: list[int]) -> list:
     tot = sum(weights)
     cs = [t_comm(kind, sympy.sympify(nbytes) * wi / tot, world, p) for wi in weights]
@@ -185,7 +186,7 @@ def chunk_comm_times(kind: str, comm_first: bool, nbytes, world: int, p: Profile
     return cs
 
 
-def t_pipeline(comm_first: bool, c_total, g_flops, kind: str, nbytes, world: int, gemm: Gemm, p: Profile, n: int,
+def t_pipeline(comm_first: bool, g_flops, kind: str, nbytes, world: int, gemm: Gemm, p: Profile, n: int,
                copy_bytes=0):
     """Predicted time of an n-chunk pipeline (see the module docstring)."""
     w = chunk_weights(n)
@@ -214,12 +215,11 @@ COMM_FIRST = {"all_gather_matmul": True, "all_to_all_matmul": True}
 class Prediction:
     base: float
     best: float
-    strategy: str               # "decompose", "fuse" or "skip"
+    strategy: str               # "decompose" or "skip"
     chunks: int | None
     comm: float
     gemm: float
     per_chunks: dict[int, float]
-    fused: float | None = None
     flops: int = 0
     dtype: str = "float32"
     copy_bytes: int = 0
@@ -232,12 +232,11 @@ class Prediction:
         ms = lambda t: round(t * 1e3, 4)  # noqa: E731
         return {"base_ms": ms(self.base), "best_ms": ms(self.best), "gain": round(self.gain, 4),
                 "comm_ms": ms(self.comm), "gemm_ms": ms(self.gemm), "strategy": self.strategy, "chunks": self.chunks,
-                "by_chunks_ms": {str(k): ms(v) for k, v in self.per_chunks.items()},
-                **({"fused_ms": ms(self.fused)} if self.fused is not None else {})}
+                "by_chunks_ms": {str(k): ms(v) for k, v in self.per_chunks.items()}}
 
 
 def predict(pattern: str, nbytes: int, flops: int, world: int, dtype: str, p: Profile, extent: int,
-            chunk_choices: list[int] | None = None, fused_ok: bool = False, copy_bytes: int = 0) -> Prediction:
+            copy_bytes: int = 0) -> Prediction:
     """Baseline and best overlapped time of one site (numbers in, numbers out).
 
     ``copy_bytes``: what the decomposition copies besides the GEMMs and collectives
@@ -246,16 +245,11 @@ def predict(pattern: str, nbytes: int, flops: int, world: int, dtype: str, p: Pr
     gemm = p.gemm_for(dtype)
     c, g = float(t_comm(kind, nbytes, world, p)), float(t_gemm(flops, gemm))
     base = c + g
-    choices = chunk_choices or [n for n in range(2, 9) if n <= extent]
-    per = {n: float(t_pipeline(comm_first, c, flops, kind, nbytes, world, gemm, p, n, copy_bytes)) for n in choices}
+    per = {n: float(t_pipeline(comm_first, flops, kind, nbytes, world, gemm, p, n, copy_bytes))
+           for n in range(2, min(8, extent) + 1)}
     best_n = min(per, key=lambda n: (per[n], n)) if per else None
     best, strategy, chunks = (per[best_n], "decompose", best_n) if per else (base, "skip", None)
-    fused = None
-    if fused_ok and p.fused_efficiency:
-        fused = float(t_fused(c, g, p))
-        if fused < best:
-            best, strategy, chunks = fused, "fuse", None
-    return Prediction(base, best, strategy, chunks, c, g, per, fused, flops, dtype, copy_bytes)
+    return Prediction(base, best, strategy, chunks, c, g, per, flops, dtype, copy_bytes)
 
 
 def site_flops(matmul_vals: list[tuple]) -> int:

@@ -148,8 +148,7 @@ def _rewrite_ag(site: AllGatherMatmulSite, chunks: int, timeout: float) -> None:
     mms = [u.matmul for u in uses]
     fused_mms = set(mms)
     # The gathered tensor is still needed by whatever is not a fused consumer.
-    others = [n for n in ops.data_users(site.gathered)]
-    return_a = any(n not in fused_mms and not _only_feeds(n, fused_mms) for n in others)
+    return_a = any(n not in fused_mms and not _only_feeds(n, fused_mms) for n in ops.data_users(site.gathered))
     b = Builder(graph, like=site.coll)
     with graph.inserting_before(mms[0]):
         call = b.call(AG_OP, site.shard, [mm.args[1] for mm in mms], site.gather_dim, site.group,

@@ -115,9 +115,10 @@ def _agree_on_chunks(sites: list[MatchedSite], options: Options, profile) -> Non
         best = min(total.values())
         n = min(c for c in counts if total[c] <= best * (1 + profile.min_gain))
         for s in group:
-            s.chunks = n
-            s.details["predicted"]["chunks"] = n
-            s.details["predicted"]["best_ms"] = s.details["predicted"]["by_chunks_ms"][str(n)]
+            pred = s.details["predicted"]
+            s.chunks = pred["chunks"] = n
+            pred["best_ms"] = pred["by_chunks_ms"][str(n)]
+            pred["gain"] = round((pred["base_ms"] - pred["best_ms"]) / pred["base_ms"], 4) if pred["base_ms"] else 0.0
 
 
 def _plan_each(sites: list[MatchedSite], options: Options, deps: DepGraph, profile) -> None:

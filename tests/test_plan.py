@@ -53,9 +53,9 @@ def test_symbolic_shapes_give_expressions_that_agree_with_numbers():
     s0 = sympy.Symbol("s0", positive=True, integer=True)
     rows = 512 * s0
     nbytes, flops = rows * 4096 * 2, 2 * rows * 8 * 4096 * 1024
-    expr = cost.t_pipeline(True, None, flops, "all_gather", nbytes, 8, g, p, 4, copy_bytes=rows * 8 * 1024 * 2)
+    expr = cost.t_pipeline(True, flops, "all_gather", nbytes, 8, g, p, 4, copy_bytes=rows * 8 * 1024 * 2)
     assert expr.free_symbols == {s0}
-    num = cost.t_pipeline(True, None, flops.subs(s0, 4), "all_gather", nbytes.subs(s0, 4), 8, g, p, 4,
+    num = cost.t_pipeline(True, flops.subs(s0, 4), "all_gather", nbytes.subs(s0, 4), 8, g, p, 4,
                           copy_bytes=4 * 512 * 8 * 1024 * 2)
     assert float(expr.subs(s0, 4)) == pytest.approx(float(num))
 

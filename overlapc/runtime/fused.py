@@ -114,10 +114,13 @@ def _finish(ws: symm.SymmetricMemory, dog: _Watchdog, op: str, epoch: int, missi
 
 
 def _launch_config(M: int, N: int, K: int):
+    """(block sizes, interpreting?, number of output tiles) of an M x N x K GEMM kernel."""
+    import triton
+
     from overlapc.kernels import INTERPRET
     from overlapc.kernels.gemm import configs
     cfg = dict(configs(M, N, K)[0])
-    return cfg, INTERPRET
+    return cfg, INTERPRET, triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
 
 
 # ------------------------------------------------------------------ AllGather + GEMM
@@ -184,9 +187,8 @@ def all_gather_matmul(a: torch.Tensor, bs: list[torch.Tensor], gather_dim: int, 
     for b in bs:
         N = b.shape[1]
         out = torch.empty(world * M_L, N, dtype=a.dtype, device=a.device)
-        cfg, interpret = _launch_config(world * M_L, N, K)
-        grid = (triton_cdiv(world * M_L, cfg["BLOCK_M"]) * triton_cdiv(N, cfg["BLOCK_N"]),)
-        ag_gemm_consumer[grid](
+        cfg, interpret, tiles = _launch_config(world * M_L, N, K)
+        ag_gemm_consumer[(tiles,)](
             buf, b, out, ws.flags(), ws.abort_word(),
             M_L, N, K, world, rank, chunks, chunk_rows, inner, epoch,
             b.stride(0), b.stride(1), out.stride(0), out.stride(1),
@@ -239,8 +241,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, scatter_dim: int, gr
     calls["fused"] += 1
     M_O, inner = M // world, inner_all // world
     a2 = a.reshape(M, K)
-    cfg, interpret = _launch_config(M_O, N, K)
-    tiles = triton_cdiv(M_O, cfg["BLOCK_M"]) * triton_cdiv(N, cfg["BLOCK_N"])
+    cfg, interpret, tiles = _launch_config(M_O, N, K)
     ws = symm.workspace(group, world * M_O * N * a.element_size(), world * tiles, a.device, timeout)
     epoch = ws.next_epoch()
     dog = _Watchdog(ws, timeout)
@@ -272,10 +273,6 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, scatter_dim: int, gr
     _finish(ws, dog, op, epoch, missing)
     ws.signal_done(epoch)
     return out.view(oshape)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # ------------------------------------------------------------------ torch.library ops
