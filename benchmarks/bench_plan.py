@@ -89,9 +89,7 @@ def run(args) -> list[dict]:
         for rate in args.rates:
             with EmulatedCluster(world_size, rate_mbit=rate) as cluster:
                 with cluster.world(timeout=3600) as world:
-                    path = harness._calibrated_profile(world, world_size, rate)
-                    with open(path) as f:
-                        prof = json.load(f)
+                    path, prof = harness._calibrated_profile(world, world_size, rate)
                     print(f"w{world_size} {rate:g} Mbit/s: alpha {prof['link']['alpha_us']:.0f} us, beta "
                           f"{prof['link']['beta_gbps'] * 1e3:.1f} MB/s, rs_factor {prof['rs_factor']}, fp32 GEMM "
                           f"{prof['gemm']['float32']['peak_tflops'] * 1e3:.0f} GFLOP/s", flush=True)

@@ -103,8 +103,7 @@ def ag_gemm(M_L, K, N, world, dtype, dev, reps, chunks=4):
         # If the consumer's spinning tiles ever starved the producer, the host raises the
         # abort word (pinned host memory, visible to the kernel) instead of hanging.
         host_abort = torch.zeros(1, dtype=torch.int32).pin_memory()
-        nonlocal_abort = [abort]
-        abort = host_abort
+        device_abort, abort = abort, host_abort  # launch() reads `abort` from this scope
         import threading
         done = threading.Event()
         threading.Thread(target=lambda: done.wait(60) or host_abort.fill_(1), daemon=True).start()
@@ -113,7 +112,7 @@ def ag_gemm(M_L, K, N, world, dtype, dev, reps, chunks=4):
         done.set()
         if int(host_abort[0]):
             raise SystemExit("ag_gemm: the consumer starved the producer (aborted after 60 s)")
-        abort = nonlocal_abort[0]
+        abort = device_abort
         t_pipe = _bench(pipelined, reps)
         launch(cfg)
         err = max(err, (out.float() - ref.float()).abs().max().item())

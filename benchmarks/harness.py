@@ -118,8 +118,8 @@ def calibrate_job():
     return measure(name="emulated-cluster")
 
 
-def _calibrated_profile(world, world_size: int, rate: float) -> str:
-    """`overlapc calibrate` inside the cluster; the profile's path (a temporary file)."""
+def _calibrated_profile(world, world_size: int, rate: float) -> tuple[str, dict]:
+    """`overlapc calibrate` inside the cluster: the profile's path (a temporary file) and the profile."""
     import json
     import tempfile
 
@@ -129,7 +129,7 @@ def _calibrated_profile(world, world_size: int, rate: float) -> str:
     with os.fdopen(fd, "w") as f:
         json.dump(prof, f)
     os.chmod(path, 0o644)
-    return path
+    return path, prof
 
 
 def run(bench: Bench, model: dict, args) -> list[dict]:
@@ -153,7 +153,7 @@ def run(bench: Bench, model: dict, args) -> list[dict]:
                             print(f"  calibrate w{world_size} {mode}: compute {cal['t_compute']*1e3:.0f} ms, "
                                   f"comm {cal['t_comm']*1e3:.0f} ms -> rate {rate:.0f} Mbit/s", flush=True)
                     # chunks="auto" is the planner's count: plan with this cluster's profile.
-                    profile_path = _calibrated_profile(world, world_size, rate)
+                    profile_path, _ = _calibrated_profile(world, world_size, rate)
                     try:
                         res = world.run(bench_job, {**cfg, "profile": args.timeline, "hardware": profile_path})[0]
                     finally:

@@ -85,9 +85,9 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
         t = _comm_time(lambda: dist.all_gather_into_tensor(out, x, group=group), group, reps)
         xs.append((world - 1) * nbytes)
         ys.append(t)
-        full = torch.empty(world * x.numel(), dtype=torch.float32)
-        t_rs = _comm_time(lambda: dist.reduce_scatter_tensor(x, full, group=group), group, reps)
-        ratio.append((t_rs, world * nbytes))
+        if nbytes in COMM_BYTES[-2:]:  # the reduce-scatter factor is taken from the largest two
+            t_rs = _comm_time(lambda: dist.reduce_scatter_tensor(x, out, group=group), group, reps)
+            ratio.append((t_rs, world * nbytes))
     # Bandwidth from the large transfers (a least-squares intercept over all sizes would be
     # dominated by the large ones and is often negative: latency is measured on its own).
     _, slope = _fit(xs[-3:], ys[-3:])
@@ -103,7 +103,7 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
             dist.all_gather_into_tensor(tiny_out, tiny_in, group=group)
     alpha = max(_comm_time(tiny_seq, group, reps) / (16 * max(world - 1, 1)), 1e-6)
     # reduce-scatter of B input bytes vs the ring formula for it
-    rs = [t / ((world - 1) * alpha + (world - 1) / world * b / beta) for t, b in ratio[-2:]]
+    rs = [t / ((world - 1) * alpha + (world - 1) / world * b / beta) for t, b in ratio]
     # Per chunk, the rewritten graph also runs a few more small ops (slice, view, cat part).
     tiny = torch.randn(8, 8)
     overhead = 6 * _median(lambda: torch.mm(tiny, tiny), reps)
@@ -113,7 +113,7 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
     t_mm = _median(lambda: torch.mm(a, b), reps)
     big = torch.empty(COMM_BYTES[-1] // 4)
     big_out = torch.empty(world * big.numel())
-    t_ag = _comm_time(lambda: dist.all_gather_into_tensor(big_out, big, group=group), group, reps)
+    t_ag = ys[-1]  # this all-gather alone, measured above
     reps_mm = max(1, round(t_ag / t_mm))
 
     def both():
@@ -132,7 +132,8 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
         "name": name,
         "source": (f"measured by overlapc calibrate on {time.strftime('%Y-%m-%d %H:%M')} UTC, world {world}, "
                    f"backend {dist.get_backend(group)}, {torch.get_num_threads()} torch thread(s): "
-                   f"mm of {GEMM_SIZES}, all_gather_into_tensor / reduce_scatter_tensor of {COMM_BYTES} B"),
+                   f"mm of {GEMM_SIZES}, all_gather_into_tensor of {COMM_BYTES} B, reduce_scatter_tensor of "
+                   f"{COMM_BYTES[-2:]} B per rank"),
         "gemm": gemm,
         "link": {"alpha_us": alpha * 1e6, "beta_gbps": beta / 1e9},
         "chunk_overhead_us": overhead * 1e6,
