@@ -55,6 +55,8 @@ class Backend:
         """Callables gm -> None run after overlapc's passes (benchmarks use this to strip comm)."""
         self.graphs: list[tuple[str, torch.fx.GraphModule]] | None = [] if keep_graphs else None
         """With keep_graphs: (graph kind, rewritten GraphModule) of every graph compiled."""
+        self.bucketed: list = []
+        """The BucketedGraph of every graph compiled with symbolic sizes (overlapc/buckets.py)."""
         self.__name__ = "overlapc"
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs, **kwargs):
@@ -85,6 +87,34 @@ def overlapc_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
 
 
 def compile_graph(gm, example_inputs, opts: Options, be: Backend):
+    from .buckets import BucketedGraph, symbolic_inputs
+
+    values = symbolic_inputs(gm) if _has_collectives(gm) else None
+    if values is not None:
+        # Sizes are symbols: plan and compile per shape bucket, at the first call in it.
+        bucketed = BucketedGraph(gm, values, lambda g, fakes: _compile_static(g, fakes, opts, be))
+        be.bucketed.append(bucketed)
+        return bucketed
+    return _compile_static(gm, example_inputs, opts, be)
+
+
+def _has_collectives(gm) -> bool:
+    """Whether the ATen graphs may hold collectives: explicit functional collectives, or
+    DTensors (whose redistributions become collectives only when AOTAutograd traces)."""
+    from torch.distributed.tensor import DTensor
+
+    from overlapc.passes.ops import MATCHED_COLLECTIVES
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in MATCHED_COLLECTIVES:
+            return True
+        if n.op == "call_function" and "_c10d_functional" in str(n.target):
+            return True
+        if isinstance(n.meta.get("example_value"), DTensor):
+            return True
+    return False
+
+
+def _compile_static(gm, example_inputs, opts: Options, be: Backend):
     log.info("overlapc: compiling a graph of %d nodes (%s)", len(gm.graph.nodes), _brief(opts))
     from torch._functorch import config as functorch_config
 

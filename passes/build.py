@@ -8,6 +8,7 @@ user's code.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -34,8 +35,10 @@ class Builder:
         vals = [n.meta.get("val") for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
         self.fake_mode = detect_fake_mode(vals) or FakeTensorMode(shape_env=ShapeEnv())
         self.created: list[Node] = []
+        self._sym_nodes: dict | None = None
 
     def call(self, op, *args, **kwargs) -> Node:
+        args, kwargs = pytree.tree_map_only(torch.SymInt, self.sym, (args, kwargs))
         node = self.graph.call_function(op, tuple(args), kwargs)
         node.meta["val"] = self._fake_run(op, args, kwargs)
         if self.like is not None:
@@ -45,6 +48,42 @@ class Builder:
         node.meta["overlapc"] = True
         self.created.append(node)
         return node
+
+    def sym(self, x: torch.SymInt):
+        """A graph value for a size: the int itself when it is known, else nodes that
+        compute it at run time from the graph's size inputs (sym_size of a placeholder, or
+        a SymInt placeholder), e.g. ``floordiv(mul(sym_size(x, 0), 64), 3)``."""
+        expr = x.node.expr
+        if expr.is_number:
+            return int(expr)
+        if self._sym_nodes is None:
+            self._sym_nodes = _size_sources(self.graph)
+        memo = self._sym_nodes
+        saved = self.like
+
+        def build(e):
+            if e.is_Integer:
+                return int(e)
+            if e in memo:
+                return memo[e]
+            fn = _SYM_OPS.get(type(e).__name__)
+            if e.is_Symbol or fn is None or (e.is_Pow and not (e.exp.is_Integer and e.exp > 0)):
+                raise NotImplementedError(f"overlapc: cannot compute the size {e} in the graph")
+            if e.is_Pow:
+                parts = [build(e.base)] * int(e.exp)
+            else:
+                parts = [build(a) for a in e.args]
+            out = parts[0]
+            for p in parts[1:]:
+                out = self.call(fn, out, p)
+            memo[e] = out
+            return out
+
+        self.like = None  # size nodes are shared between sites: no provenance
+        try:
+            return build(expr)
+        finally:
+            self.like = saved
 
     def _fake_run(self, op, args, kwargs) -> Any:
         def to_val(a):
@@ -83,6 +122,35 @@ class Builder:
         return xs[0] if len(xs) == 1 else self.call(ops.aten.cat.default, list(xs), dim)
 
 
+_SYM_OPS = {"Add": operator.add, "Mul": operator.mul, "Pow": operator.mul, "FloorDiv": operator.floordiv,
+            "Mod": operator.mod, "PythonMod": operator.mod, "Max": torch.sym_max, "Min": torch.sym_min}
+
+
+def _size_sources(graph: Graph) -> dict:
+    """Size symbol -> a node holding it: a SymInt placeholder, or a new sym_size of the
+    first placeholder tensor with that symbol as a dim (inserted after the placeholders)."""
+    found: dict = {}
+    holders, last = [], None
+    for n in graph.nodes:
+        if n.op != "placeholder":
+            break
+        last = n
+        v = n.meta.get("val")
+        if isinstance(v, torch.SymInt) and v.node.expr.is_Symbol:
+            found.setdefault(v.node.expr, n)
+        elif isinstance(v, torch.Tensor):
+            holders.append((n, v))
+    for n, v in holders:
+        for d, size in enumerate(v.shape):
+            e = size.node.expr if isinstance(size, torch.SymInt) else None
+            if e is not None and e.is_Symbol and e not in found:
+                with graph.inserting_after(last):
+                    node = graph.call_function(ops.aten.sym_size.int, (n, d))
+                node.meta["val"] = size
+                found[e] = last = node
+    return found
+
+
 def chunk_sizes(n: int, chunks: int, taper: bool = True) -> list[int]:
     """``n`` rows in ``chunks`` positive parts.
 
@@ -95,6 +163,13 @@ def chunk_sizes(n: int, chunks: int, taper: bool = True) -> list[int]:
         raise ValueError(f"cannot split {n} rows into {chunks} non-empty chunks")
     weights = chunk_weights(chunks) if taper else [1] * chunks
     total = sum(weights)
+    if isinstance(n, torch.SymInt):
+        # A size known at run time: the same weights, rounded down, the last part takes
+        # the remainder. The one guard: every part is non-empty (n >= total).
+        if n < total:
+            weights, total = [1] * chunks, chunks
+        sizes = [n * w // total for w in weights[:-1]]
+        return sizes + [n - sum(sizes)]
     sizes = [max(1, n * w // total) for w in weights]
     # Hand out the remainder (or take back an excess) from the middle out.
     order = sorted(range(chunks), key=lambda i: (-weights[i], abs(i - (chunks - 1) / 2)))

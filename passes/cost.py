@@ -261,10 +261,11 @@ def site_flops(matmul_vals: list[tuple]) -> int:
 
 
 def _int(x) -> int:
-    try:
-        return int(x)
-    except TypeError:
-        raise OverlapError("symbolic sizes: the planner decides on numbers (a bucket's sizes)") from None
+    from .ops import hint
+    v = hint(x)
+    if v is None:
+        raise OverlapError("symbolic sizes: the planner decides on numbers (a bucket's sizes)")
+    return v
 
 
 def ms(t: float) -> str:

@@ -84,6 +84,8 @@ def can_fuse(site, deps) -> str | None:
     why = backend_support(site)
     if why:
         return f"no symmetric memory for this group: {why}"
+    if any(not isinstance(d, int) for d in ops.shape(site.coll.args[0]) or ()):
+        return "dynamic shapes: the fused ops are planned for static shapes (strategy 'decompose' chunks them)"
     if isinstance(site, AllGatherMatmulSite):
         from .all_gather_matmul import can_rewrite
         why = can_rewrite(site, deps)

@@ -1,6 +1,9 @@
 """The ATen and functional-collective ops the passes recognise, in one place."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 from torch.fx import Node
 
@@ -214,3 +217,49 @@ def in_graph_order(nodes) -> list[Node]:
         return nodes
     pos = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
     return sorted(nodes, key=lambda n: pos.get(n, -1))
+
+
+# ----------------------------------------------------------------------------- symbolic sizes
+
+_BUCKET: ContextVar[dict | None] = ContextVar("overlapc_bucket", default=None)
+
+
+@contextmanager
+def shape_bucket(representatives: dict):
+    """Plan and rewrite graphs with symbolic sizes for one shape bucket (overlapc/buckets.py).
+
+    ``representatives`` maps each size symbol to the value the planner decides on. Inside,
+    the rewrites accept symbolic shapes: their size arithmetic stays symbolic, and every
+    comparison they make becomes a guard of the bucket's shape environment, which the
+    dispatcher checks on each call."""
+    import sympy
+    token = _BUCKET.set({k: sympy.Integer(v) for k, v in representatives.items()})
+    try:
+        yield
+    finally:
+        _BUCKET.reset(token)
+
+
+def bucket_sizes() -> dict[str, int] | None:
+    """The current shape bucket's representative sizes by symbol name (None outside one)."""
+    reps = _BUCKET.get()
+    return None if reps is None else {str(k): int(v) for k, v in sorted(reps.items(), key=str)}
+
+
+def symbolic_ok() -> bool:
+    """True while a shape bucket is being compiled: symbolic shapes may be rewritten."""
+    return _BUCKET.get() is not None
+
+
+def hint(x) -> int | None:
+    """An int for a size: itself, or a symbolic size at the bucket's representative values
+    (None outside a bucket, or for sizes known only at run time)."""
+    if not isinstance(x, torch.SymInt):
+        return int(x)
+    expr = x.node.expr
+    if expr.is_number:
+        return int(expr)
+    reps = _BUCKET.get()
+    if reps is None or not expr.free_symbols <= reps.keys():
+        return None
+    return int(expr.xreplace(reps))

@@ -78,10 +78,8 @@ def predict_site(site: MatchedSite, profile: cost.Profile, extent: int) -> cost.
 
 
 def _nbytes(v) -> int:
-    try:
-        return int(v.numel()) * v.element_size()
-    except (TypeError, AttributeError):
-        return 0
+    n = ops.hint(v.numel()) if v is not None else None
+    return 0 if n is None else n * v.element_size()
 
 
 def plan_sites(sites: list[MatchedSite], options: Options, deps: DepGraph) -> None:
@@ -106,7 +104,8 @@ def _agree_on_chunks(sites: list[MatchedSite], options: Options, profile) -> Non
         pred = s.details.get("predicted")
         if s.status != "planned" or s.strategy != "decompose" or not pred or s.details.get("chunks_fixed"):
             continue
-        groups.setdefault((s.world, lower.RULES[type(s)].extent(s)), []).append(s)
+        extent = lower.RULES[type(s)].extent(s)
+        groups.setdefault((s.world, str(extent)), []).append(s)
     for group in groups.values():
         counts = set.intersection(*(set(map(int, s.details["predicted"]["by_chunks_ms"])) for s in group))
         if not counts:
@@ -152,8 +151,11 @@ def _plan_each(sites: list[MatchedSite], options: Options, deps: DepGraph, profi
         if why:
             site.reason = why
             continue
-        extent = rule.extent(site)
-        pred = predict_site(site, profile, extent) if site.pattern in MODELLED else None
+        extent = rule.extent(site)  # symbolic in a shape bucket: plan at its representative
+        rows = ops.hint(extent)
+        if not isinstance(extent, int) and ops.symbolic_ok():
+            site.details["bucket"] = {"rows": str(extent), "rows_at": rows, "planned_at": ops.bucket_sizes()}
+        pred = predict_site(site, profile, rows) if site.pattern in MODELLED and rows else None
         if pred is not None:
             site.details["predicted"] = {"profile": profile.name, **pred.to_dict(), "bytes": nbytes,
                                          "flops": pred.flops, "dtype": pred.dtype, "copy_bytes": pred.copy_bytes}
@@ -170,11 +172,11 @@ def _plan_each(sites: list[MatchedSite], options: Options, deps: DepGraph, profi
         elif pred is not None and pred.chunks:
             n = pred.chunks
         else:
-            n = (rule.auto_chunks or auto_chunks)(extent)
-        if n > extent:
+            n = (rule.auto_chunks or auto_chunks)(rows)
+        if n > extent:  # symbolic: a guard of the bucket (this call's sizes decide)
             if chunks != "auto":
                 site.details["chunks_clamped"] = f"{chunks} -> {extent}: only {extent} rows to split"
-            n = extent
+            n = int(extent)
         site.strategy, site.chunks, site.status = "decompose", n, "planned"
 
 
@@ -182,5 +184,16 @@ def _where(site: MatchedSite) -> str:
     mm = site.matmuls[0] if site.matmuls else None
     v = ops.val(mm) if mm is not None else None
     if v is not None and v.dim() >= 2:
-        return f"M={v.shape[-2]}, N={v.shape[-1]}, {site.comm_bytes()} B per rank"
+        m, n = (_size(d) for d in v.shape[-2:])
+        return f"M={m}, N={n}, {site.comm_bytes()} B per rank"
     return f"{site.comm_bytes()} B per rank"
+
+
+def _size(d) -> str:
+    """A size for a reason: the number, or in a shape bucket the number it was planned at."""
+    if isinstance(d, int) or ops.hint(d) is None:
+        return str(d)
+    names = sorted(str(sym) for sym in d.node.expr.free_symbols)
+    reps = ops.bucket_sizes() or {}
+    at = ", ".join(f"{k}={reps[k]}" for k in names if k in reps)
+    return f"{ops.hint(d)} ({d} at {at})"

@@ -25,9 +25,14 @@ ROW_MATMULS = (ops.aten.mm.default, ops.aten.addmm.default)
 
 
 def static_shape(node: Node) -> list[int] | None:
+    """The node's shape; with symbolic sizes, only while a shape bucket is compiled
+    (ops.shape_bucket), where size arithmetic and comparisons on them are guarded."""
     s = ops.shape(node)
-    if s is None or not all(isinstance(d, int) for d in s):
+    if s is None:
         return None
+    if not all(isinstance(d, int) for d in s):
+        if not ops.symbolic_ok() or any(ops.hint(d) is None for d in s):
+            return None
     return s
 
 

@@ -47,12 +47,8 @@ class MatchedSite:
         v = ops.val(self.coll.args[0])
         if v is None:
             return None
-        n = v.numel()
-        if isinstance(n, torch.SymInt):
-            if not n.node.expr.is_number:  # symbolic (dynamic or run-time sizes)
-                return None
-            n = int(n.node.expr)
-        return int(n) * v.element_size()
+        n = ops.hint(v.numel())  # symbolic: at the shape bucket's representative sizes
+        return None if n is None else n * v.element_size()
 
     def module(self) -> str | None:
         paths = [p for p in (ops.module_path(m) for m in self.matmuls) if p]

@@ -1,0 +1,134 @@
+"""Dynamic shapes: one torch.compile(dynamic=True) model runs several batch sizes, with a
+plan per shape bucket (overlapc/buckets.py), equal to eager on every rank.
+
+Tolerances are those of tests/test_models_distributed.py (same ops, chunked): fp32 1e-5
+with inner="eager", 1e-4 relative with inductor (fused reductions change summation order).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from overlapc.buckets import bucket_of
+
+TOL = {"eager": dict(rtol=1e-5, atol=1e-5), "inductor": dict(rtol=1e-4, atol=1e-5)}
+SMALL = dict(n_layers=1, dim=64, n_heads=4, ffn_dim=128, vocab_size=64)
+
+
+def test_buckets_are_power_of_two_ranges():
+    assert [bucket_of(v)[0] for v in (0, 1, 2, 3, 4, 7, 8, 15, 16)] == [0, 1, 2, 2, 4, 4, 8, 8, 16]
+    assert bucket_of(8) == (8, 12) and bucket_of(15) == (8, 12)
+
+
+def test_plan_per_bucket(fake_mesh8):
+    """One compiled function, two buckets: at the small one the cost model skips both sites
+    (its reason names the planned numbers), at the large one it rewrites; a third size in
+    the large bucket runs on that bucket's entry (no new compile, no guard on its exact value)."""
+    import torch.distributed._functional_collectives as fc
+
+    import overlapc
+    from overlapc.options import Options
+
+    group = fake_mesh8.get_group()
+    w1, w2 = torch.randn(256, 256), torch.randn(256, 256)
+
+    def mlp(x):
+        h = fc.all_gather_tensor(x, 0, group) @ w1
+        return fc.reduce_scatter_tensor(torch.relu(h) @ w2, "sum", 0, group)
+
+    be = overlapc.Backend(Options.from_user(None, strategy="auto", hardware="cpu-default"), verify_plans=False)
+    torch._dynamo.reset()
+    fn = torch.compile(mlp, backend=be, dynamic=True)
+    for b in (8, 12, 512, 700):
+        assert fn(torch.randn(b, 256)).shape == (b, 256)
+    (graph,) = be.bucketed
+    assert sorted(k[0] for k in graph.entries) == [8, 512], graph.entries
+    assert all(len(v) == 1 for v in graph.entries.values()), graph.entries
+    by_bucket: dict[int, list] = {}
+    for s in be.report.sites:
+        by_bucket.setdefault(s.details["bucket"]["rows_at"], []).append(s)
+    assert sorted(by_bucket) == [12, 768], by_bucket.keys()  # representatives of [8, 16) and [512, 1024)
+    assert all(s.status == "skipped" and "predicted gain" in s.reason and "at s" in s.reason
+               for s in by_bucket[12]), [s.reason for s in by_bucket[12]]
+    assert any(s.status == "rewritten" for s in by_bucket[768]), [s.reason for s in by_bucket[768]]
+
+
+def run_batches(inner: str, batches: list[int], seq: int, options: dict | None = None):
+    """Job: one compiled TP+SP Llama (dynamic=True) against an eager twin, batch by batch;
+    forward output and every gradient compared after each step."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import overlapc
+    from overlapc.models import llama
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    ref, _ = llama.build_tp_sp(mesh, batch=batches[0], seq=seq, **SMALL)
+    model, _ = llama.build_tp_sp(mesh, batch=batches[0], seq=seq, **SMALL)
+    be = overlapc.backend(inner=inner, strategy="decompose", **(options or {}))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=be, dynamic=True)
+    from torch._dynamo.utils import counters
+    counters.clear()
+    tol = TOL[inner]
+    for step, b in enumerate(batches):
+        tokens = llama.example_tokens(model.cfg, b, seq, seed=100 + step)
+        outs = []
+        for m, params in ((ref, ref), (compiled, model)):
+            params.zero_grad(set_to_none=True)
+            out = m(tokens)
+            out = out.to_local() if hasattr(out, "to_local") else out
+            w = torch.randn(out.shape, generator=torch.Generator().manual_seed(step)).to(out.dtype)
+            (out * w).sum().backward()
+            grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
+                     for n, p in params.named_parameters() if p.grad is not None}
+            outs.append((out.detach(), grads))
+        (r_out, r_g), (c_out, c_g) = outs
+        where = f"rank {dist.get_rank()} batch {b}"
+        torch.testing.assert_close(c_out, r_out, **tol, msg=lambda m: f"{where} forward: {m}")
+        assert r_g.keys() == c_g.keys()
+        for name in r_g:
+            torch.testing.assert_close(c_g[name], r_g[name], **tol, msg=lambda m: f"{where} grad {name}: {m}")
+    sites = [s for s in be.report.sites if s.pattern != "collective"]
+    return {
+        "dynamo_graphs": counters["stats"]["unique_graphs"],
+        "rewritten": sum(s.status == "rewritten" for s in sites),
+        "symbolic": sum(s.status == "rewritten" and "s" in str(s.shapes) for s in sites),
+        "sites": len(sites),
+        "planned_at": sorted({str(s.details["bucket"]["planned_at"]) for s in sites if "bucket" in s.details}),
+        "entries": [{str(k): len(v) for k, v in g.entries.items()} for g in be.bucketed],
+        "reasons": sorted({str(s.reason) for s in sites if s.status != "rewritten"}),
+    }
+
+
+def _check_world(res, expect_reuse: int):
+    for r in res:
+        assert r["rewritten"] == r["sites"] > 0 and r["symbolic"] == r["rewritten"], r
+        # Sizes of one bucket ran on one entry: fewer compiles than sizes.
+        entries = sum(sum(e.values()) for e in r["entries"])
+        assert entries <= expect_reuse, r
+
+
+@pytest.mark.distributed
+def test_dynamic_batches_eager_world2(world2):
+    # seq 12 on 2 ranks: 6*B local rows; 3 chunks (weights 1, 2, 1) leave a remainder for
+    # odd B, so the last chunk's symbolic size is exercised. Odd B also makes DTensor's
+    # own view guard (B % 2) recompile at dynamo level: a second bucketed graph.
+    batches = [2, 4, 6, 3, 5]
+    res = world2.run(run_batches, "eager", batches, 12, {"chunks": 3})
+    _check_world(res, expect_reuse=4)
+
+
+@pytest.mark.distributed
+def test_dynamic_batches_eager_world4(world4):
+    res = world4.run(run_batches, "eager", [4, 8, 12], 16)
+    _check_world(res, expect_reuse=2)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_dynamic_batches_inductor_world2(world2):
+    # 4 and 6 share the bucket [4, 8): one forward and one backward graph serve both.
+    res = world2.run(run_batches, "inductor", [4, 6], 16)
+    _check_world(res, expect_reuse=1)
