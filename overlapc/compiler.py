@@ -143,6 +143,20 @@ def _run_passes(gm, kind: str, opts: Options, be: Backend):
     if sites:
         from .report import format_table
         log.info("overlapc: %s graph\n%s", kind, format_table(sites))
+    return sites
+
+
+def _name_failures(compiled, kind: str, sites: list[str]) -> None:
+    """Make a collective failure inside an inductor-compiled graph name its rewritten sites
+    (inductor writes the waits itself, so the exact chunk is not known)."""
+    from .runtime.waits import named_failures
+
+    inner = getattr(compiled, "current_callable", None)
+    if sites and callable(inner):
+        compiled.current_callable = named_failures(inner, kind, sites)
+    elif sites:
+        log.info("overlapc: this inductor's compiled graph has no current_callable; "
+                 "collective failures in it will not name their sites")
 
 
 def _compile_eager(gm, example_inputs, opts, be):
@@ -151,8 +165,10 @@ def _compile_eager(gm, example_inputs, opts, be):
 
     def compiler(kind):
         def compile_fn(g, _inputs):
+            from .runtime.waits import name_waits
             _run_passes(g, kind, opts, be)
-            return make_boxed_func(g.forward)
+            # A failing chunked collective names its site and chunk.
+            return make_boxed_func(name_waits(g).forward)
         return compile_fn
 
     return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
@@ -168,10 +184,12 @@ def _overlap_pass_class():
         def __init__(self, opts: Options, be: Backend):
             self.opts, self.be = opts, be
             self.kind = "forward"
+            self.rewritten: list[str] = []
 
         def __call__(self, graph: torch.fx.Graph) -> None:
             gm = graph.owning_module
-            _run_passes(gm, self.kind, self.opts, self.be)
+            sites = _run_passes(gm, self.kind, self.opts, self.be)
+            self.rewritten = [s.name for s in sites if s.status == "rewritten"]
             if gm.meta.get("overlapc_changed"):
                 _keep_order_in_inductor()
 
@@ -191,9 +209,12 @@ def _compile_inductor(gm, example_inputs, opts, be):
         pass_.kind = "backward" if kw.get("is_backward") else "inference" if kw.get("is_inference") else "forward"
         # The pass may switch scheduler settings for this graph (see _keep_order_in_inductor);
         # restore them for the next one.
+        pass_.rewritten = []
         with inductor_config.patch({k: getattr(inductor_config, k) for k in _ORDER_SETTINGS
                                     if hasattr(inductor_config, k)}):
-            return compile_fx_inner(g, inputs, **kw)
+            out = compile_fx_inner(g, inputs, **kw)
+        _name_failures(out, pass_.kind, pass_.rewritten)
+        return out
 
     patches = {"post_grad_custom_post_pass": pass_, "fx_graph_cache": False}
     if opts.mode and opts.mode != "default":

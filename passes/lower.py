@@ -52,16 +52,31 @@ def lower_sites(graph: Graph, sites: list[MatchedSite]) -> int:
             site.status, site.strategy, site.chunks = "skipped", None, None
             site.reason = "its matmul was already rewritten as part of another site"
             continue
+        before = set(graph.nodes)
         if site.strategy == "fuse":
             fuse.rewrite(site, site.chunks, site.timeout)
         elif RULES[type(site)].rewrite(site, site.chunks) is False:
             continue
+        _tag_waits(graph, before, site)
         site.status = "rewritten"
         done += 1
     for node in graph.nodes:  # sites hold nodes: keep them out of meta that others copy or pickle
         node.meta.pop(a2a.SITE, None)
         node.meta.pop(a2a.REACHED, None)
     return done
+
+
+SITE_WAIT = "overlapc_site_wait"
+"""node.meta key on each wait a rewrite emitted: (site name, chunk index, chunks), so a
+collective that fails or times out is reported with the site and chunk it belongs to."""
+
+
+def _tag_waits(graph: Graph, before: set, site: MatchedSite) -> None:
+    from . import ops
+
+    waits = [n for n in graph.nodes if n not in before and n.target is ops.WAIT]
+    for i, w in enumerate(waits):
+        w.meta[SITE_WAIT] = (site.name, i, len(waits))
 
 
 def _erased(node) -> bool:
