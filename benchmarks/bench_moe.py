@@ -2,6 +2,7 @@
 
     sudo python -m benchmarks.bench_moe [--world-sizes 2 4] [--rate auto|MBIT] [--inner eager|inductor]
                                         [--iters 7] [--modes train forward] [--tokens 1024 ...]
+                                        [--form capacity|dropless] [--dtype float32|bfloat16]
 
 The same driver as the TP+SP benchmark (benchmarks/harness.py): per world size and mode,
 the link rate is calibrated so that the four all-to-alls of a training step (two forward,
@@ -12,6 +13,7 @@ Writes benchmarks/results/moe.json, a BENCHMARKS.md section and timeline PNGs.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from benchmarks import harness
@@ -19,8 +21,8 @@ from benchmarks import harness
 BENCH = harness.Bench(
     builder="overlapc.models.moe:build_ep", stem="moe",
     section="Expert-parallel MoE layer (issue 6)", title="EP MoE layer",
-    describe="MoE layer, capacity form ({n_experts} experts, top-{top_k}, capacity factor {capacity_factor}, "
-             "dim {dim}, hidden {hidden}, {tokens} tokens per rank, expert GEMMs as {expert_form}, fp32)")
+    describe="MoE layer, {form} form ({n_experts} experts, top-{top_k}, capacity factor {capacity_factor}, "
+             "dim {dim}, hidden {hidden}, {tokens} tokens per rank, expert GEMMs as {expert_form}, {dtype})")
 
 
 def main(argv=None):
@@ -31,11 +33,28 @@ def main(argv=None):
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--capacity-factor", type=float, default=1.25)
-    p.add_argument("--form", default="bmm", choices=["bmm", "loop"])
+    p.add_argument("--experts-as", dest="expert_form", default=None, choices=["bmm", "loop", "grouped"],
+                   help="expert GEMMs: bmm/loop (capacity form; default bmm), grouped (dropless form)")
+    p.add_argument("--form", default="capacity", choices=["capacity", "dropless"],
+                   help="capacity (padded slots, even all-to-alls) or dropless (run-time splits; bf16 only)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="default: float32 (capacity), bfloat16 (dropless)")
     args = p.parse_args(argv)
+    dropless = args.form == "dropless"
+    dtype = args.dtype or ("bfloat16" if dropless else "float32")
+    if dropless and dtype != "bfloat16":
+        p.error("--form dropless needs --dtype bfloat16 (torch's grouped matmul takes only bf16 on the CPU)")
+    expert_form = args.expert_form or ("grouped" if dropless else "bmm")
+    if (expert_form == "grouped") != dropless:
+        p.error(f"--experts-as {expert_form} does not fit --form {args.form} (grouped <-> dropless)")
     model = dict(tokens=args.tokens, dim=args.dim, hidden=args.hidden, n_experts=args.experts,
-                 top_k=args.top_k, capacity_factor=args.capacity_factor, expert_form=args.form)
-    return harness.main(BENCH, args, model, "sudo python -m benchmarks.bench_moe", "benchmarks.bench_moe")
+                 top_k=args.top_k, capacity_factor=args.capacity_factor, expert_form=expert_form,
+                 form=args.form, dtype=dtype)
+    bench, cmd = BENCH, "sudo python -m benchmarks.bench_moe"
+    if dropless:  # its own json, timelines and BENCHMARKS.md section
+        bench = dataclasses.replace(BENCH, stem="moe_dropless", section="Expert-parallel MoE layer, dropless form (issue 6)")
+        cmd += " --form dropless"
+    return harness.main(bench, args, model, cmd, "benchmarks.bench_moe")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ Definitions (all measured in the same run, interleaved):
 from __future__ import annotations
 
 import json
+import operator
 import os
 import statistics
 import time
@@ -47,21 +48,36 @@ def strip_collectives(gm: torch.fx.GraphModule) -> None:
             continue
         b = Builder(graph, like=coll)
         x = coll.args[0]
-        with graph.inserting_before(wait):
+        # Right after the collective: its size queries (sym_size) may come before its wait.
+        with graph.inserting_before(coll.next):
             if coll.target is ops.ALL_GATHER:
                 local = b.call(ops.aten.cat.default, [x] * coll.args[1])
             elif coll.target is ops.REDUCE_SCATTER:
                 block = ops.shape(x)[0] // coll.args[2]
                 local = b.contiguous(b.slice(x, 0, 0, block))
-            elif ops.shape(coll) == ops.shape(x):
+            elif coll.target is ops.ALL_TO_ALL and isinstance(coll.args[1], (list, tuple)) and coll.args[1]:
+                # Uneven (run-time splits): as many rows as this rank receives; zeros, since
+                # the peers' rows are gone. Its size is the sum of the output splits.
+                rows = coll.args[1][0]
+                for s in coll.args[1][1:]:
+                    rows = b.call(operator.add, rows, s)
+                local = b.call(ops.aten.new_zeros.default, x, [rows, *ops.shape(x)[1:]])
+            elif _same_shape(ops.shape(coll), ops.shape(x)):
                 local = b.contiguous(x)
             else:
                 continue
         wait.replace_all_uses_with(local)
         graph.erase_node(wait)
+        coll.replace_all_uses_with(local)  # size queries (sym_size) of the collective itself
         graph.erase_node(coll)
     remove_dead_nodes(graph)
     graph.lint()
+
+
+def _same_shape(a, b) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    return a is not None and b is not None and len(a) == len(b) and all(
+        statically_known_true(x == y) for x, y in zip(a, b))
 
 
 # ---------------------------------------------------------------------- comm alone
@@ -73,6 +89,15 @@ def collective_calls(report, graphs=("forward", "backward", "inference")) -> lis
         if s.graph in graphs and s.shapes.get("input") is not None:
             out.append({"op": s.collective_op, "shape": s.shapes["input"], "dtype": s.dtype,
                         "group": s.group, "world": s.world_size, "reduce": s.details.get("reduce_op", "sum")})
+    # Sizes known only at run time (a dropless MoE's combine sends what its experts got):
+    # replayed at the size of the largest all-to-all of known size (the dispatch), evenly split.
+    known = [c["shape"][0] for c in out if c["op"] == "all_to_all_single" and isinstance(c["shape"][0], int)]
+    for c in out:
+        if not all(isinstance(d, int) for d in c["shape"]):
+            if c["op"] != "all_to_all_single" or not known or not all(isinstance(d, int) for d in c["shape"][1:]):
+                raise ValueError(f"cannot replay {c['op']} of run-time shape {c['shape']}")
+            c["shape"] = [max(known), *c["shape"][1:]]
+            c["approx"] = True
     return out
 
 

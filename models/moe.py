@@ -191,9 +191,15 @@ def example_tokens(cfg: MoEConfig, tokens: int, seed: int = 1, dtype=torch.float
     return torch.randn(tokens, cfg.dim, generator=g).to(dtype)
 
 
-def build_ep(mesh, *, tokens: int = 64, **cfg_kw):
-    """(model, example_inputs) for the expert-parallel MoE layer on a 1-D mesh."""
+def build_ep(mesh, *, tokens: int = 64, dtype: str = "float32", **cfg_kw):
+    """(model, example_inputs) for the expert-parallel MoE layer on a 1-D mesh.
+
+    ``dtype``: "float32" or "bfloat16" (the dropless form's grouped matmuls take only bf16
+    on the CPU)."""
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     cfg = MoEConfig(**cfg_kw)
     rank = mesh.get_local_rank()
-    x = example_tokens(cfg, tokens, seed=1 + rank).requires_grad_(True)
-    return MoE(cfg, mesh.get_group()), (x,)
+    dt = getattr(torch, dtype)
+    x = example_tokens(cfg, tokens, seed=1 + rank, dtype=dt).requires_grad_(True)
+    return MoE(cfg, mesh.get_group()).to(dt), (x,)
