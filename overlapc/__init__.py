@@ -11,13 +11,13 @@ See README.md and ../shared/DESIGN.md for how the pieces fit.
 """
 from .compiler import Backend, backend, last_report, overlapc_backend, reset_report
 from .decorator import overlap
-from .errors import OverlapError
+from .errors import OverlapCommError, OverlapError
 from .explain import explain
 from .options import Options
 from .report import Report, Site
 
 __all__ = [
     "Backend", "backend", "overlap", "explain", "last_report", "reset_report",
-    "Options", "OverlapError", "Report", "Site", "overlapc_backend",
+    "Options", "OverlapCommError", "OverlapError", "Report", "Site", "overlapc_backend",
 ]
 __version__ = "0.1.0"

@@ -5,9 +5,9 @@ recompile), the backend gets a graph whose sizes are symbols. overlapc's plan de
 sizes (whether a site pays, how many chunks), so the backend returns a dispatcher:
 
 - a call's **bucket** is, per size symbol, the power-of-two range its value falls in
-  ([2^(k-1), 2^k); 0 and 1 stand alone). The planner decides for the bucket at its
-  representative value (the range's midpoint, 3 * 2^(k-2)): a pure function of the bucket
-  and the options, the same on every rank.
+  ([2^(k-1), 2^k); values below 2 stand alone). The planner decides for the bucket at its
+  lower bound (the smallest size in it, so every chunk count it allows fits every size):
+  a pure function of the bucket and the options, the same on every rank.
 - the first call in a bucket compiles the graph with fresh symbolic inputs: the rewrites
   keep their size arithmetic symbolic (chunk c of a site with R rows is rows
   [R*w_<c // T, R*w_<=c // T), the last chunk takes the remainder), so the result serves
@@ -57,22 +57,33 @@ def _is_symbolic(v) -> bool:
     return False
 
 
-def bucket_of(value: int) -> tuple[int, int]:
-    """(lower bound, representative) of the power-of-two range holding ``value``."""
+def bucket_of(value: int) -> int:
+    """The power-of-two range holding ``value``, by its lower bound (values below 2 alone).
+
+    The lower bound is also what the planner decides at: the smallest size of the bucket,
+    so a chunk count it allows fits every size of the bucket, and a dim that is a power of
+    two (a model width marked dynamic) is planned at its own value."""
     if value < 2:
-        return value, value
-    low = 1 << (value.bit_length() - 1)
-    return low, max(low, 3 * low // 2)
+        return value
+    return 1 << (value.bit_length() - 1)
 
 
 class Entry:
-    def __init__(self, compiled, guards: str | None, shape_env, keep: list[int]):
-        self.compiled, self.guards, self.shape_env, self.keep = compiled, guards, shape_env, keep
+    def __init__(self, compiled, guards: str | None, keep: list[int]):
+        self.compiled, self.guards, self.keep = compiled, guards, keep
+        # What ShapeEnv.evaluate_guards_expression evals, compiled once: it runs on every call.
+        self._code = compile(guards, "<overlapc bucket guards>", "eval") if guards else None
 
     def accepts(self, args) -> bool:
-        if self.guards is None:
+        if self._code is None:
             return True
-        return self.shape_env.evaluate_guards_expression(self.guards, [args[i] for i in self.keep])
+        from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+        return bool(eval(self._code, SYMPY_INTERP, {"L": {f"t{i}": args[j] for i, j in enumerate(self.keep)}}))
+
+
+# One lock for every bucketed graph: compiles run one at a time in a process, and each
+# compile exchanges its plan with the other ranks (overlapc/agree.py) in the same order.
+_COMPILE_LOCK = threading.RLock()
 
 
 class BucketedGraph:
@@ -86,25 +97,33 @@ class BucketedGraph:
         passes + inner compiler), run inside the bucket's shape context."""
         self.entries: dict[tuple, list[Entry]] = {}
         self.compiles = 0
-        self._lock = threading.Lock()
+        self._sizes = {d.node.expr for v in example_values if isinstance(v, torch.Tensor)
+                       for d in v.shape if isinstance(d, torch.SymInt)}
+        """Dynamo's size symbols: an int input that is none of them is a plain scalar, guarded
+        but not bucketed (the plan depends on sizes only)."""
 
     # -- per call
     def __call__(self, *args):
         key = self.key(args)
+        entry = self._find(key, args)
+        if entry is None:
+            with _COMPILE_LOCK:
+                entry = self._find(key, args) or self._compile(args, key)  # another thread may have
+        return entry.compiled(*args)
+
+    def _find(self, key, args) -> Entry | None:
         for entry in self.entries.get(key, ()):
             if entry.accepts(args):
-                return entry.compiled(*args)
-        with self._lock:
-            entry = self._compile(args, key)
-        return entry.compiled(*args)
+                return entry
+        return None
 
     def key(self, args) -> tuple:
         out = []
         for v, a in zip(self.example_values, args):
-            if isinstance(v, torch.SymInt) and not v.node.expr.is_number:
-                out.append(bucket_of(int(a))[0])
+            if isinstance(v, torch.SymInt) and v.node.expr in self._sizes:
+                out.append(bucket_of(int(a)))
             elif isinstance(v, torch.Tensor) and isinstance(a, torch.Tensor):
-                out.extend(bucket_of(int(a.shape[d]))[0] for d, s in enumerate(v.shape)
+                out.extend(bucket_of(int(a.shape[d])) for d, s in enumerate(v.shape)
                            if isinstance(s, torch.SymInt) and not s.node.expr.is_number)
         return tuple(out)
 
@@ -119,42 +138,62 @@ class BucketedGraph:
         env = ShapeEnv()
         mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=False)
         reps: dict = {}
-        fakes = []
+        fresh: dict = {}  # dynamo's size symbol -> this bucket's SymInt for it
 
         def note(sym, value):
             e = sym.node.expr if isinstance(sym, torch.SymInt) else None
             if e is not None and e.is_Symbol:
-                reps.setdefault(e, bucket_of(value)[1])
+                reps.setdefault(e, bucket_of(value))
 
+        # Tensors first: one new symbol per dynamic dim (no duck sizing: sizes that happen to
+        # be equal at this call, a batch of 512 and a width of 512, stay apart; sizes dynamo
+        # knows equal become guards where the graph relies on it).
+        fakes: list = [None] * len(args)
         for i, (v, a) in enumerate(zip(self.example_values, args)):
+            if not isinstance(a, torch.Tensor):
+                continue
+            shape = v.shape if isinstance(v, torch.Tensor) else a.shape
+            dyn = [DimDynamic.DYNAMIC if isinstance(d, torch.SymInt) and not d.node.expr.is_number
+                   else DimDynamic.STATIC for d in shape]
             src = LocalSource(f"t{i}")
-            if isinstance(v, torch.SymInt) and not v.node.expr.is_number:
-                sym = env.create_symbol(int(a), src, dynamic_dim=DimDynamic.DUCK)
-                node = env.create_symintnode(sym, hint=int(a), source=src)
-                note(node, int(a))
-                fakes.append(node)
-            elif isinstance(a, torch.Tensor):
-                dyn = [DimDynamic.DUCK if isinstance(s, torch.SymInt) and not s.node.expr.is_number
-                       else DimDynamic.STATIC for s in (v.shape if isinstance(v, torch.Tensor) else a.shape)]
-                if DimDynamic.DUCK not in dyn:
-                    fake = mode.from_tensor(a, source=src, static_shapes=True)
-                else:  # a plain tensor: symbolic_inputs() kept subclasses with dynamic sizes out
-                    ctx = StatelessSymbolicContext(dynamic_sizes=dyn, constraint_sizes=[None] * a.dim())
-                    fake = mode.from_tensor(a, source=src, symbolic_context=ctx)
-                for size, real in zip(fake.shape, a.shape):
+            if DimDynamic.DYNAMIC not in dyn:
+                fake = mode.from_tensor(a, source=src, static_shapes=True)
+            else:  # a plain tensor: symbolic_inputs() kept subclasses with dynamic sizes out
+                ctx = StatelessSymbolicContext(dynamic_sizes=dyn, constraint_sizes=[None] * a.dim())
+                fake = mode.from_tensor(a, source=src, symbolic_context=ctx)
+                for d, size, real in zip(shape, fake.shape, a.shape):
+                    if isinstance(d, torch.SymInt) and d.node.expr.is_Symbol:
+                        fresh.setdefault(d.node.expr, size)
                     note(size, int(real))
-                fakes.append(fake)
+            fakes[i] = fake
+        for i, (v, a) in enumerate(zip(self.example_values, args)):
+            if isinstance(a, torch.Tensor):
+                continue
+            if isinstance(v, torch.SymInt) and not v.node.expr.is_number:
+                if v.node.expr in fresh:  # a size dynamo passes as an input: that dim's symbol
+                    fakes[i] = fresh[v.node.expr]
+                    continue
+                # A Python int argument: any sign.
+                src = LocalSource(f"t{i}")
+                sym = env.create_symbol(int(a), src, dynamic_dim=DimDynamic.DYNAMIC, positive=None)
+                fakes[i] = env.create_symintnode(sym, hint=int(a), source=src)
+                note(fakes[i], int(a))
             else:
-                fakes.append(a)
-        with shape_bucket(reps):
+                fakes[i] = a
+        from torch._functorch import config as functorch_config
+        # The backward too is compiled now, inside the bucket: AOTAutograd may otherwise
+        # defer it to the first backward(), outside it (no rewrites, guards not recorded).
+        lazy = ({"force_non_lazy_backward_lowering": True}
+                if hasattr(functorch_config, "force_non_lazy_backward_lowering") else {})
+        with shape_bucket(reps), functorch_config.patch(lazy):
             compiled = self.compile_fn(self.gm, fakes)
         # Guards over the size-carrying inputs (a placeholder may also hold e.g. a DeviceMesh).
         # Tensor subclasses (DTensor parameters) are static here: dynamo guards them.
         from torch.utils._python_dispatch import is_traceable_wrapper_subclass
         keep = [i for i, f in enumerate(fakes) if isinstance(f, torch.SymInt)
                 or (isinstance(f, torch.Tensor) and not is_traceable_wrapper_subclass(f))]
-        guards = env.produce_guards_expression([fakes[i] for i in keep])
-        entry = Entry(compiled, guards, env, keep)
+        guards = _guard_expression(env, [fakes[i] for i in keep])
+        entry = Entry(compiled, guards, keep)
         self.entries.setdefault(key, []).append(entry)
         self.compiles += 1
         log.info("overlapc: compiled shape bucket %s (%d entries); guards: %s", key,
@@ -163,3 +202,16 @@ class BucketedGraph:
             raise RuntimeError(f"overlapc: the entry compiled for bucket {key} rejects its own sizes "
                                f"(guards {guards})")
         return entry
+
+
+def _guard_expression(env, placeholders) -> str | None:
+    """The ShapeEnv's guards over ``placeholders`` (named t0, t1, ...) as one expression.
+
+    Each guard is parenthesised: a guard can itself be a disjunction ("a == 1 or b == 0"),
+    and ShapeEnv.produce_guards_expression joins them with a bare " and ", which would
+    then read "x and a == 1 or b == 0" and accept sizes the entry was not compiled for."""
+    from torch._dynamo.source import LocalSource
+
+    guards = env.produce_guards(placeholders, [LocalSource(f"t{i}") for i in range(len(placeholders))],
+                                ignore_static=True)
+    return " and ".join(f"({g})" for g in guards) or None

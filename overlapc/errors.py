@@ -7,3 +7,10 @@ class OverlapError(ValueError):
     Subclasses ValueError so that callers that already guard configuration errors with
     ``except ValueError`` keep working.
     """
+
+
+class OverlapCommError(OverlapError, RuntimeError):
+    """A collective overlapc emitted failed or timed out; the message names its site.
+
+    Also a RuntimeError, like the transport error it wraps (``__cause__``), so handlers
+    written for torch's collective failures (``except RuntimeError``) still catch it."""

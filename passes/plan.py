@@ -157,7 +157,7 @@ def _plan_each(sites: list[MatchedSite], options: Options, deps: DepGraph, profi
         if why:
             site.reason = why
             continue
-        extent = rule.extent(site)  # symbolic in a shape bucket: plan at its representative
+        extent = rule.extent(site)  # symbolic in a shape bucket: plan at its smallest sizes
         rows = ops.hint(extent)
         if not isinstance(extent, int) and ops.symbolic_ok():
             site.details["bucket"] = {"rows": str(extent), "rows_at": rows, "planned_at": ops.bucket_sizes()}
@@ -179,10 +179,12 @@ def _plan_each(sites: list[MatchedSite], options: Options, deps: DepGraph, profi
             n = pred.chunks
         else:
             n = (rule.auto_chunks or auto_chunks)(rows)
-        if n > extent:  # symbolic: a guard of the bucket (this call's sizes decide)
+        # Symbolic rows: against the bucket's smallest size, so the count fits all of it.
+        limit = extent if isinstance(extent, int) else rows
+        if n > limit:
             if chunks != "auto":
-                site.details["chunks_clamped"] = f"{chunks} -> {extent}: only {extent} rows to split"
-            n = int(extent)
+                site.details["chunks_clamped"] = f"{chunks} -> {limit}: only {limit} rows to split"
+            n = limit
         site.strategy, site.chunks, site.status = "decompose", n, "planned"
 
 

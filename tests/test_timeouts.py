@@ -44,6 +44,7 @@ def hung_peer(inner: str, phase: str) -> dict:
             out["error"] = None
         except OverlapError as e:
             out["error"] = str(e)
+            out["is_runtime_error"] = isinstance(e, RuntimeError)
         except Exception as e:  # noqa: BLE001 - the test reports what was raised instead
             out["error"] = f"not an OverlapError: {type(e).__name__}: {e}"
         out["elapsed"] = time.monotonic() - t
@@ -61,6 +62,11 @@ def test_timeout_names_the_site(world2, inner, phase):
     # Forward: y = all_gather(x) @ w; backward: dx = reduce_scatter(dy @ w.T).
     site = ":all_gather_matmul" if phase == "forward" else "backward:reduce_scatter_tensor:matmul_reduce_scatter"
     assert site in r0["error"] and "rank 0" in r0["error"], r0["error"]
+    # It is the group's timeout that fired (not some other, earlier failure), and the error
+    # is still a RuntimeError, as torch's own collective failures are.
+    # (gloo says "Timed out waiting 3000ms ..." or "Application timeout caused pair closure")
+    assert ("Timed out" in r0["error"] or "timeout" in r0["error"]) and r0["is_runtime_error"], r0
+    assert r0["elapsed"] >= TIMEOUT_S - 0.5, r0
     if inner == "eager":
         assert "collective 1 of 2" in r0["error"], r0["error"]
     assert r0["elapsed"] < TIMEOUT_S + 10, r0

@@ -16,11 +16,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from overlapc.errors import OverlapError
+from overlapc.errors import OverlapCommError, OverlapError
 
-# Words of the transport errors a failed or timed-out collective raises (gloo, NCCL, c10d).
-_COMM_FAILURE = ("Timed out", "timed out", "Timeout", "Connection", "connection", "NCCL", "gloo",
-                 "Gloo", "c10d", "closed", "reset by peer", "abort")
+# Words of the transport errors a failed or timed-out collective raises (gloo, NCCL).
+_COMM_FAILURE = ("Timed out", "timed out", "timeout caused pair closure", "Connection closed",
+                 "Connection reset", "reset by peer", "NCCL error", "ncclRemoteError", "ncclSystemError",
+                 "gloo/transport")
 
 
 def _rank() -> str:
@@ -36,7 +37,7 @@ def wait(x: torch.Tensor, site: str, chunk: int, chunks: int, group: str) -> tor
     try:
         return torch.ops._c10d_functional.wait_tensor.default(x)
     except RuntimeError as e:
-        raise OverlapError(f"overlapc: {describe(site, chunk, chunks, group)} did not complete: {e} "
+        raise OverlapCommError(f"overlapc: {describe(site, chunk, chunks, group)} did not complete: {e} "
                            "(the process group's timeout bounds each collective; a peer that died "
                            "or never reached this step fails it)") from e
 
@@ -69,8 +70,10 @@ def name_waits(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def is_comm_failure(e: BaseException) -> bool:
-    return isinstance(e, RuntimeError) and not isinstance(e, OverlapError) and any(
-        w in str(e) for w in _COMM_FAILURE)
+    if not isinstance(e, RuntimeError) or isinstance(e, OverlapError):
+        return False
+    dist_error = getattr(torch.distributed, "DistError", ())
+    return isinstance(e, dist_error) or any(w in str(e) for w in _COMM_FAILURE)
 
 
 def named_failures(fn, kind: str, sites: list[str]):
@@ -84,9 +87,10 @@ def named_failures(fn, kind: str, sites: list[str]):
         except RuntimeError as e:
             if not is_comm_failure(e):
                 raise
-            raise OverlapError(
-                f"overlapc: a collective of the {kind} graph failed on rank {_rank()}; its rewritten "
-                f"sites: {', '.join(sites)}: {e} (inner='eager' names the exact site and chunk)") from e
+            raise OverlapCommError(
+                f"overlapc: a collective of the {kind} graph failed on rank {_rank()}: {e} (the graph's "
+                f"rewritten sites: {', '.join(sites)}; the failing collective may be any of the graph's; "
+                "inner='eager' names the exact site and chunk)") from e
 
     call._boxed_call = getattr(fn, "_boxed_call", False)
     return call
