@@ -178,9 +178,9 @@ def _plan_each(sites: list[MatchedSite], options: Options, deps: DepGraph, profi
         elif pred is not None and pred.chunks:
             n = pred.chunks
         else:
-            n = (rule.auto_chunks or auto_chunks)(rows)
+            n = (rule.auto_chunks or auto_chunks)(rows if rows is not None else extent)
         # Symbolic rows: against the bucket's smallest size, so the count fits all of it.
-        limit = extent if isinstance(extent, int) else rows
+        limit = extent if isinstance(extent, int) or rows is None else rows
         if n > limit:
             if chunks != "auto":
                 site.details["chunks_clamped"] = f"{chunks} -> {limit}: only {limit} rows to split"
