@@ -49,12 +49,13 @@ def symbolic_inputs(gm: torch.fx.GraphModule) -> list | None:
     return vals
 
 
+def _symbolic(d) -> bool:
+    """A size (or int input) that is a symbol, not a number."""
+    return isinstance(d, torch.SymInt) and not d.node.expr.is_number
+
+
 def _is_symbolic(v) -> bool:
-    if isinstance(v, torch.SymInt):
-        return not v.node.expr.is_number
-    if isinstance(v, torch.Tensor):
-        return any(isinstance(d, torch.SymInt) and not d.node.expr.is_number for d in v.shape)
-    return False
+    return _symbolic(v) or (isinstance(v, torch.Tensor) and any(_symbolic(d) for d in v.shape))
 
 
 def bucket_of(value: int) -> int:
@@ -70,15 +71,17 @@ def bucket_of(value: int) -> int:
 
 class Entry:
     def __init__(self, compiled, guards: str | None, keep: list[int]):
+        from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
         self.compiled, self.guards, self.keep = compiled, guards, keep
         # What ShapeEnv.evaluate_guards_expression evals, compiled once: it runs on every call.
         self._code = compile(guards, "<overlapc bucket guards>", "eval") if guards else None
+        self._globals = SYMPY_INTERP
 
     def accepts(self, args) -> bool:
         if self._code is None:
             return True
-        from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
-        return bool(eval(self._code, SYMPY_INTERP, {"L": {f"t{i}": args[j] for i, j in enumerate(self.keep)}}))
+        return bool(eval(self._code, self._globals, {"L": {f"t{i}": args[j] for i, j in enumerate(self.keep)}}))
 
 
 # One lock for every bucketed graph: compiles run one at a time in a process, and each
@@ -123,8 +126,7 @@ class BucketedGraph:
             if isinstance(v, torch.SymInt) and v.node.expr in self._sizes:
                 out.append(bucket_of(int(a)))
             elif isinstance(v, torch.Tensor) and isinstance(a, torch.Tensor):
-                out.extend(bucket_of(int(a.shape[d])) for d, s in enumerate(v.shape)
-                           if isinstance(s, torch.SymInt) and not s.node.expr.is_number)
+                out.extend(bucket_of(int(a.shape[d])) for d, s in enumerate(v.shape) if _symbolic(s))
         return tuple(out)
 
     # -- compile one entry
@@ -153,8 +155,7 @@ class BucketedGraph:
             if not isinstance(a, torch.Tensor):
                 continue
             shape = v.shape if isinstance(v, torch.Tensor) else a.shape
-            dyn = [DimDynamic.DYNAMIC if isinstance(d, torch.SymInt) and not d.node.expr.is_number
-                   else DimDynamic.STATIC for d in shape]
+            dyn = [DimDynamic.DYNAMIC if _symbolic(d) else DimDynamic.STATIC for d in shape]
             src = LocalSource(f"t{i}")
             if DimDynamic.DYNAMIC not in dyn:
                 fake = mode.from_tensor(a, source=src, static_shapes=True)
@@ -169,7 +170,7 @@ class BucketedGraph:
         for i, (v, a) in enumerate(zip(self.example_values, args)):
             if isinstance(a, torch.Tensor):
                 continue
-            if isinstance(v, torch.SymInt) and not v.node.expr.is_number:
+            if _symbolic(v):
                 if v.node.expr in fresh:  # a size dynamo passes as an input: that dim's symbol
                     fakes[i] = fresh[v.node.expr]
                     continue

@@ -103,11 +103,8 @@ def _has_collectives(gm) -> bool:
     DTensors (whose redistributions become collectives only when AOTAutograd traces)."""
     from torch.distributed.tensor import DTensor
 
-    from overlapc.passes.ops import MATCHED_COLLECTIVES
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in MATCHED_COLLECTIVES:
-            return True
-        if n.op == "call_function" and "_c10d_functional" in str(n.target):
+        if n.op == "call_function" and "_c10d_functional" in str(n.target):  # every functional collective
             return True
         if isinstance(n.meta.get("example_value"), DTensor):
             return True

@@ -7,7 +7,7 @@ overlapc adds is the name: the error says which site, which chunk, on which rank
 group, instead of a bare transport message.
 
 - ``inner="eager"``: every wait a rewrite emitted (tagged by passes/lower.py) is replaced by
-  :func:`wait`, which re-raises a failure as ``OverlapError`` naming its site and chunk.
+  :func:`wait`, which re-raises a failure as ``OverlapCommError`` naming its site and chunk.
 - ``inner="inductor"``: inductor generates the waits; :func:`named_failures` wraps a
   compiled graph so that a collective failure inside it names the graph's rewritten sites.
 """
@@ -38,8 +38,8 @@ def wait(x: torch.Tensor, site: str, chunk: int, chunks: int, group: str) -> tor
         return torch.ops._c10d_functional.wait_tensor.default(x)
     except RuntimeError as e:
         raise OverlapCommError(f"overlapc: {describe(site, chunk, chunks, group)} did not complete: {e} "
-                           "(the process group's timeout bounds each collective; a peer that died "
-                           "or never reached this step fails it)") from e
+                               "(the process group's timeout bounds each collective; a peer that died "
+                               "or never reached this step fails it)") from e
 
 
 def name_waits(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
