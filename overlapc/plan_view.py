@@ -62,8 +62,7 @@ def timeline(report: Report, opts: Options):
     for s in _rows(report):
         p = s.details["predicted"]
         strategy = s.strategy if s.status == "rewritten" else None
-        b, e = cost.site_events(s.pattern, p["bytes"], p["flops"], s.world_size, p["dtype"], prof, strategy, s.chunks,
-                                p.get("copy_bytes", 0))
+        b, e = cost.site_events(p, s.world_size, prof, strategy, s.chunks)
         base_ev += [(lane, lab, tb + t, d, s.name) for lane, lab, t, d in b]
         plan_ev += [(lane, lab, tp + t, d, s.name) for lane, lab, t, d in e]
         tb += max(t + d for _, _, t, d in b)  # the next site starts when this one has ended

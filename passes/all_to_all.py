@@ -21,6 +21,7 @@ reported rewritten, "chained_from" the site that took it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torch.fx import Graph, Node
@@ -173,6 +174,97 @@ def auto_chunks(extent: int) -> int:
     expert, one head over the whole sequence), not a row, so the planner's 32-rows rule
     does not apply; as many chunks as the row rule's maximum (4), at most one per index."""
     return max(2, min(4, extent))
+
+
+def _attention_flops(node: Node) -> int | None:
+    """Flops of a fused attention op (q, k: (B, H, S, D)): 4*B*H*Sq*Sk*D forward (two
+    GEMMs), 2.5 times that backward (five, with the recomputed scores); causal halves it."""
+    name = getattr(node.target, "__name__", "")
+    if "scaled_dot_product" not in name:
+        return None
+    bwd = "backward" in name
+    q, k = (ops.val(a) if isinstance(a, Node) else None for a in node.args[int(bwd):int(bwd) + 2])
+    if q is None or k is None or q.dim() != 4:
+        return None
+    b, h, sq, d = (ops.hint(x) for x in q.shape)
+    sk = ops.hint(k.shape[-2])
+    if None in (b, h, sq, d, sk):
+        return None
+    flops = 4 * b * h * sq * sk * d * (5 if bwd else 2) // 2
+    causal_at = 7 if bwd else 4  # the CPU flash op's is_causal
+    if "for_cpu" in name and len(node.args) > causal_at and node.args[causal_at] is True:
+        flops //= 2
+    return flops
+
+
+def _matmul_flops(node: Node) -> int | None:
+    lhs = ops.MATMULS[node.target][0]
+    a, out = ops.val(node.args[lhs]), ops.val(node)
+    if a is None or out is None:
+        return None
+    n, k = ops.hint(out.numel()), ops.hint(a.shape[-1])
+    return None if n is None or k is None else 2 * n * k
+
+
+def region_stages(region: ax.Region):
+    """The cost model's view of a region: its stages (passes/cost.Stage) in pipeline order,
+    the bytes the rewrite copies (whole tensors reassembled from chunks, all-to-all inputs
+    made contiguous) and the bytes of the partial sums it adds per extra chunk; or None
+    where a size is not a number.
+
+    A node's level is the number of all-to-alls between the region's start and it: GEMMs
+    (and fused attention) at level L form compute stage 2L, the all-to-alls they feed comm
+    stage 2L + 1. Elementwise ops are not modelled (memory-bound, small beside the GEMMs)."""
+    from . import cost
+
+    level: dict[Node, int] = {}
+    amount: dict[int, list[int]] = {}  # stage -> [amount, count]
+    dtype = None
+    copy_bytes = add_bytes = 0
+    for st in region.steps:
+        node = st.node
+        lvl = max((level.get(i, 0) for i in node.all_input_nodes), default=0)
+        if node.target is ops.ALL_TO_ALL:
+            x = ops.val(node.args[0])
+            nb = ops.hint(x.numel()) if x is not None else None
+            if nb is None:
+                return None
+            a = region.axes.get(node.args[0])
+            shape = ax.static_shape(node.args[0])
+            if a is not None and shape is not None and math.prod(shape[:a.dim]) * a.outer(shape) > 1:
+                copy_bytes += nb * x.element_size()
+            acc = amount.setdefault(2 * lvl + 1, [0, 0])
+            acc[0] += nb * x.element_size()
+            acc[1] += 1
+            level[node] = lvl + 1
+            continue
+        level[node] = lvl
+        f = _matmul_flops(node) if node.target in ops.MATMULS else _attention_flops(node)
+        if f is not None:
+            acc = amount.setdefault(2 * lvl, [0, 0])
+            acc[0] += f
+            acc[1] += 1
+            if dtype is None and ops.val(node) is not None:
+                dtype = str(ops.val(node).dtype).replace("torch.", "")
+        if st.axis is None:  # a sum over the axis: one more partial per extra chunk
+            v = ops.val(node)
+            if v is None or ops.hint(v.numel()) is None:
+                return None
+            add_bytes += 3 * ops.hint(v.numel()) * v.element_size()  # read two, write one
+    for node in region.whole:
+        v = ops.val(node)
+        if v is None or ops.hint(v.numel()) is None:
+            return None
+        copy_bytes += ops.hint(v.numel()) * v.element_size()
+    stages: list = []
+    for s in sorted(amount):
+        lane = "comm" if s % 2 else "compute"
+        total, count = amount[s]
+        if stages and stages[-1].lane == lane:  # an empty stage between two of one lane: merge them
+            prev = stages.pop()
+            total, count = total + prev.amount, count + prev.count
+        stages.append(cost.Stage(lane, "all_to_all" if lane == "comm" else "gemm", total, count))
+    return stages, copy_bytes, add_bytes, dtype or "float32"
 
 
 def rewrite(site, chunks: int) -> None:

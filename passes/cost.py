@@ -19,20 +19,24 @@ collective's input on one rank::
     all_reduce      2 * ((W-1) * alpha + (W-1)/W * B / beta)
     all_to_all      (W-1) * alpha + (W-1)/W * B / beta
 
-A pipeline of ``n`` chunks with per-chunk transfer ``c_i`` and GEMM ``g_i`` (AG -> GEMM:
-transfer first; GEMM -> RS/AR: GEMM first), plus ``chunk_overhead`` per extra chunk::
+A site is a sequence of stages (:class:`Stage`): AG -> GEMM is [all_gather, gemm], GEMM ->
+RS/AR [gemm, reduce_scatter], an all-to-all region e.g. [all_to_all, gemm, all_to_all].
+Cut into ``n`` chunks, chunk i of stage s waits for chunk i of stage s - 1, and each lane
+(compute, comm) runs its tasks one at a time in the order overlapc's schedule issues them,
+stage by stage (:func:`flow`)::
 
-    T(n) = first_1 + sum_{i=2..n} Max(c_i, g_{i-1} or g_i ...) + last_n + (n-1) * overhead
-           + copied bytes / copy_bw
+    finish(s, i) = Max(free(lane_s), finish(s - 1, i)) + d(s, i)
 
-i.e. the first stage of chunk 1 and the second stage of chunk n are exposed, everything
-else runs at the pace of the slower stage, plus ``overlap_loss * Min(c_i, g_j)``: transfers
-and GEMMs that overlap still compete for something (SMs and memory bandwidth on a GPU: NCCL
-runs on SMs; CPU cores on the emulated cluster, where TCP over veth is CPU work), measured
-by ``overlapc calibrate`` as the part of the shorter activity that does not hide. ``overhead`` is what one more chunk costs beyond
-its collective's alpha (issue, wait, launch: calibrated as such), and the copies are the
-chunk outputs concatenated back into the original layout (and, for a reduce-scatter, the
-GEMM input regrouped by destination rank). Chunks are sized like the rewrite sizes them
+plus ``chunk_overhead`` per extra chunk of each collective and the copied bytes at
+``copy_bw``. A GEMM that runs while a transfer is in flight is lengthened by
+``overlap_loss * Min(its time, the transfer's)``: transfers and GEMMs that overlap still
+compete for something (SMs and memory bandwidth on a GPU: NCCL runs on SMs; CPU cores on
+the emulated cluster, where TCP over veth is CPU work), measured by ``overlapc calibrate``
+as the part of the shorter activity that does not hide. ``overhead`` is what one more
+chunk costs beyond its collective's alpha (issue, wait, launch: calibrated as such), and
+the copies are the chunk outputs concatenated back into the original layout (and, for a
+reduce-scatter, the GEMM input regrouped by destination rank; for a region, the tensors
+read whole and the partial sums). Chunks are sized like the rewrite sizes them
 (passes/build.chunk_sizes: weights 1, 2, .., 2, 1). Where chunked reduce-scatters and
 all-reduces run concurrently (gloo: overlapc issues them all at once; NCCL on one stream
 does not), their chunks share one latency. Fused (a GPU with symmetric memory):
@@ -43,7 +47,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -176,28 +180,115 @@ def t_comm(kind: str, nbytes, world: int, p: Profile):
     raise ValueError(f"unknown collective kind {kind!r}")
 
 
-def chunk_comm_times(kind: str, comm_first: bool, nbytes, world: int, p: Profile, weights: list[int]) -> list:
-    tot = sum(weights)
-    cs = [t_comm(kind, sympy.sympify(nbytes) * wi / tot, world, p) for wi in weights]
-    if not comm_first and p.concurrent_reductions:
-        # Issued at once and run concurrently: the chunks share one latency, not one each.
-        lat = t_comm(kind, 0, world, p)
-        cs = [cs[0]] + [c - lat for c in cs[1:]]
-    return cs
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a site's pipeline, whole (unchunked): GEMMs on the compute lane, or
+    collectives on the comm lane. A site is a sequence of stages whose chunk i of stage
+    s needs chunk i of stage s - 1 (AG -> mm: [all_gather, gemm]; mm -> RS: [gemm,
+    reduce_scatter]; an all-to-all region: e.g. [gemm, all_to_all, gemm, all_to_all, gemm])."""
+    lane: str           # "compute" or "comm"
+    kind: str           # "gemm", or the collective: "all_gather", "reduce_scatter", ...
+    amount: int         # compute: flops; comm: bytes of this rank's inputs (all collectives of the stage)
+    count: int = 1      # collectives (or GEMM calls) the stage is made of; each pays its latency per chunk
+
+    def to_dict(self) -> dict:
+        return {"lane": self.lane, "kind": self.kind, "amount": self.amount, "count": self.count}
+
+
+def stage_times(st: Stage, fracs: list, world: int, gemm: Gemm, p: Profile) -> list:
+    """Per-chunk durations of one stage; ``fracs`` the chunks' shares of the rows."""
+    if st.lane == "compute":
+        return [st.count * t_gemm(sympy.sympify(st.amount) * f / st.count, gemm) for f in fracs]
+    ts = [st.count * t_comm(st.kind, sympy.sympify(st.amount) * f / st.count, world, p) for f in fracs]
+    if st.kind in ("reduce_scatter", "all_reduce") and p.concurrent_reductions and len(ts) > 1:
+        # Issued at once and run concurrently (gloo): the chunks share one latency, not one each.
+        lat = st.count * t_comm(st.kind, 0, world, p)
+        ts = [ts[0]] + [t - lat for t in ts[1:]]
+    return ts
+
+
+def flow(durations: list[list], lanes: list[str], loss: float = 0.0):
+    """Start times and durations of a chunked pipeline, and its end (sympy or numbers).
+
+    ``durations[s][i]``: chunk i of stage s; ``lanes[s]``: its lane. Each lane runs its
+    tasks one at a time in (stage, chunk) order -- the order overlapc's schedule issues
+    them: every chunk of a stage is issued before the next stage's first (collectives as
+    early as their inputs allow; compute that feeds the earliest collective first) -- and
+    chunk i of stage s starts once chunk i of stage s - 1 has finished. A compute task is
+    lengthened by ``loss`` times the transfer that runs under it (the next chunk's
+    incoming one, the previous chunk's outgoing one; at most its own length): overlapped
+    transfers and GEMMs still compete for cores or SMs.
+    Returns (events, end): events are (stage, chunk, start, duration)."""
+    free = {lane: sympy.Integer(0) for lane in lanes}
+    done: list[list] = []
+    events = []
+    n = len(durations[0]) if durations else 0
+    for s, (ds, lane) in enumerate(zip(durations, lanes)):
+        row = []
+        for i, d in enumerate(ds):
+            if loss and lane == "compute":
+                under = []
+                if s > 0 and i + 1 < n and lanes[s - 1] == "comm":
+                    under.append(durations[s - 1][i + 1])
+                if s + 1 < len(lanes) and i > 0 and lanes[s + 1] == "comm":
+                    under.append(durations[s + 1][i - 1])
+                if under:
+                    d = d + loss * sympy.Min(d, sum(under))
+            start = free[lane] if s == 0 else sympy.Max(free[lane], done[s - 1][i])
+            row.append(start + d)
+            free[lane] = start + d
+            events.append((s, i, start, d))
+        done.append(row)
+    end = sympy.Max(*(r[-1] for r in done)) if done else sympy.Integer(0)
+    return events, end
+
+
+def chunk_fracs(n: int, extent=None) -> list:
+    """The chunks' shares of the rows, as the rewrite sizes them (passes/build.chunk_sizes):
+    weights 1, 2, .., 2, 1, or the exact sizes where the extent is a number."""
+    if isinstance(extent, int) and extent >= n:
+        from .build import chunk_sizes
+        return [sympy.Rational(c, extent) for c in chunk_sizes(extent, n)]
+    w = chunk_weights(n)
+    return [sympy.Rational(wi, sum(w)) for wi in w]
+
+
+def t_stages(stages: list[Stage], world: int, gemm: Gemm, p: Profile, n: int, copy_bytes=0, extent=None,
+             add_bytes=0, events: bool = False):
+    """Predicted time of the stages as an n-chunk pipeline: the flow, plus ``chunk_overhead``
+    per extra chunk of each collective, plus the copies the rewrite adds (``copy_bytes``, and
+    ``add_bytes`` per extra chunk: partial sums) at ``copy_bw``. With ``events``: (events, end)
+    where events are (lane, label, start, duration), the overhead and copies last."""
+    fracs = chunk_fracs(n, extent)
+    durations = [stage_times(st, fracs, world, gemm, p) for st in stages]
+    evs, end = flow(durations, [st.lane for st in stages], p.overlap_loss)
+    n_colls = sum(st.count for st in stages if st.lane == "comm")
+    tail = (n - 1) * n_colls * p.chunk_overhead + (sympy.sympify(copy_bytes) + (n - 1) * add_bytes) / p.copy_bw
+    if not events:
+        return end + tail
+    out = [(stages[s].lane, f"{stages[s].kind} {i}", t0, d) for s, i, t0, d in evs]
+    if tail:
+        out.append(("compute", "chunk overhead + copies", end, tail))
+    return out, end + tail
+
+
+def t_serial(stages: list[Stage], world: int, gemm: Gemm, p: Profile):
+    """The stages as they are: one after another, nothing overlapped."""
+    return sum((stage_times(st, [1], world, gemm, p)[0] for st in stages), sympy.Integer(0))
+
+
+def site_stages(pattern: str, nbytes, flops, count: int = 1) -> list[Stage]:
+    """AllGather -> mm, mm -> ReduceScatter, mm -> AllReduce: the two stages."""
+    comm = Stage("comm", KIND[pattern], nbytes)
+    gemm = Stage("compute", "gemm", flops, count)
+    return [comm, gemm] if COMM_FIRST.get(pattern) else [gemm, comm]
 
 
 def t_pipeline(comm_first: bool, g_flops, kind: str, nbytes, world: int, gemm: Gemm, p: Profile, n: int,
                copy_bytes=0):
-    """Predicted time of an n-chunk pipeline (see the module docstring)."""
-    w = chunk_weights(n)
-    tot = sum(w)
-    cs = chunk_comm_times(kind, comm_first, nbytes, world, p, w)
-    gs = [t_gemm(sympy.sympify(g_flops) * wi / tot, gemm) for wi in w]
-    first, second = (cs, gs) if comm_first else (gs, cs)
-    t = first[0]
-    for i in range(1, n):
-        t += sympy.Max(first[i], second[i - 1]) + p.overlap_loss * sympy.Min(first[i], second[i - 1])
-    return t + second[-1] + (n - 1) * p.chunk_overhead + sympy.sympify(copy_bytes) / p.copy_bw
+    """Predicted time of an n-chunk two-stage pipeline (see :func:`t_stages`)."""
+    comm, g = Stage("comm", kind, nbytes), Stage("compute", "gemm", g_flops)
+    return t_stages([comm, g] if comm_first else [g, comm], world, gemm, p, n, copy_bytes)
 
 
 def t_fused(c, g, p: Profile):
@@ -223,6 +314,9 @@ class Prediction:
     flops: int = 0
     dtype: str = "float32"
     copy_bytes: int = 0
+    stages: list[Stage] = field(default_factory=list)
+    extent: int | None = None
+    add_bytes: int = 0
 
     @property
     def gain(self) -> float:
@@ -232,24 +326,35 @@ class Prediction:
         ms = lambda t: round(t * 1e3, 4)  # noqa: E731
         return {"base_ms": ms(self.base), "best_ms": ms(self.best), "gain": round(self.gain, 4),
                 "comm_ms": ms(self.comm), "gemm_ms": ms(self.gemm), "strategy": self.strategy, "chunks": self.chunks,
-                "by_chunks_ms": {str(k): ms(v) for k, v in self.per_chunks.items()}}
+                "by_chunks_ms": {str(k): ms(v) for k, v in self.per_chunks.items()},
+                "stages": [st.to_dict() for st in self.stages], "extent": self.extent, "add_bytes": self.add_bytes}
 
 
 def predict(pattern: str, nbytes: int, flops: int, world: int, dtype: str, p: Profile, extent: int,
-            copy_bytes: int = 0) -> Prediction:
-    """Baseline and best overlapped time of one site (numbers in, numbers out).
+            copy_bytes: int = 0, gemm_calls: int = 1) -> Prediction:
+    """Baseline and best overlapped time of an AllGather -> mm, mm -> ReduceScatter or
+    mm -> AllReduce site (numbers in, numbers out).
 
     ``copy_bytes``: what the decomposition copies besides the GEMMs and collectives
     (chunk outputs concatenated into the original layout, inputs regrouped by rank)."""
-    kind, comm_first = KIND[pattern], COMM_FIRST.get(pattern, False)
+    return predict_stages(site_stages(pattern, nbytes, flops, gemm_calls), world, dtype, p, extent, copy_bytes)
+
+
+def predict_stages(stages: list[Stage], world: int, dtype: str, p: Profile, extent: int, copy_bytes: int = 0,
+                   add_bytes: int = 0) -> Prediction:
+    """Baseline (the stages one after another) and the best n-chunk pipeline, n = 2 .. 8
+    (at most one chunk per row of ``extent``)."""
     gemm = p.gemm_for(dtype)
-    c, g = float(t_comm(kind, nbytes, world, p)), float(t_gemm(flops, gemm))
+    c = sum(float(stage_times(st, [1], world, gemm, p)[0]) for st in stages if st.lane == "comm")
+    g = sum(float(stage_times(st, [1], world, gemm, p)[0]) for st in stages if st.lane == "compute")
     base = c + g
-    per = {n: float(t_pipeline(comm_first, flops, kind, nbytes, world, gemm, p, n, copy_bytes))
+    per = {n: float(t_stages(stages, world, gemm, p, n, copy_bytes, extent, add_bytes))
            for n in range(2, min(8, extent) + 1)}
     best_n = min(per, key=lambda n: (per[n], n)) if per else None
     best, strategy, chunks = (per[best_n], "decompose", best_n) if per else (base, "skip", None)
-    return Prediction(base, best, strategy, chunks, c, g, per, flops, dtype, copy_bytes)
+    flops = sum(st.amount for st in stages if st.lane == "compute")
+    return Prediction(base, best, strategy, chunks, c, g, per, flops, dtype, copy_bytes, list(stages), extent,
+                      add_bytes)
 
 
 def site_flops(matmul_vals: list[tuple]) -> int:
@@ -278,44 +383,27 @@ def describe_skip(pred: Prediction, p: Profile, where: str) -> str:
             f"best {pred.strategy}/{pred.chunks} {ms(pred.best)})")
 
 
-def site_events(pattern: str, nbytes: int, flops: int, world: int, dtype: str, p: Profile, strategy: str,
-                chunks: int | None, copy_bytes: int = 0) -> tuple[list[tuple], list[tuple]]:
-    """Timelines of one site, baseline and planned: lists of (lane, label, start_s, dur_s),
-    lanes "compute" and "comm", starting at 0 (for traces and pictures of a plan)."""
-    kind, comm_first = KIND[pattern], COMM_FIRST.get(pattern, False)
-    gemm = p.gemm_for(dtype)
-    c, g = float(t_comm(kind, nbytes, world, p)), float(t_gemm(flops, gemm))
-    if comm_first:
-        base = [("comm", kind, 0.0, c), ("compute", "gemm", c, g)]
-    else:
-        base = [("compute", "gemm", 0.0, g), ("comm", kind, g, c)]
-    if strategy == "fuse":
+def site_events(pred: dict, world: int, p: Profile, strategy: str | None, chunks: int | None
+                ) -> tuple[list[tuple], list[tuple]]:
+    """Timelines of one site, baseline and planned, from its ``details["predicted"]``: lists of
+    (lane, label, start_s, dur_s), lanes "compute" and "comm", starting at 0 (for traces and
+    pictures of a plan). The planned one is :func:`t_stages`' own flow, so it ends at the
+    predicted time."""
+    stages = [Stage(**d) for d in pred["stages"]]
+    gemm = p.gemm_for(pred["dtype"])
+    base, t = [], 0.0
+    for st in stages:
+        d = float(stage_times(st, [1], world, gemm, p)[0])
+        base.append((st.lane, st.kind, t, d))
+        t += d
+    if strategy == "fuse" and len(stages) == 2:
+        c, g = (float(stage_times(st, [1], world, gemm, p)[0]) for st in
+                sorted(stages, key=lambda st: st.lane != "comm"))
         f = float(t_fused(c, g, p))
+        kind = next(st.kind for st in stages if st.lane == "comm")
         return base, [("compute", "fused gemm", 0.0, f), ("comm", f"{kind} (fused)", 0.0, min(c, f))]
     if strategy != "decompose" or not chunks:
         return base, base
-    w = chunk_weights(chunks)
-    tot = sum(w)
-    cs = [float(c) for c in chunk_comm_times(kind, comm_first, nbytes, world, p, w)]
-    gs = [float(t_gemm(flops * wi / tot, gemm)) + p.chunk_overhead for wi in w]
-    ev, c_end, g_end = [], 0.0, 0.0
-    for i in range(chunks):
-        # A GEMM that runs under a transfer is slowed by the overlap loss (as in t_pipeline).
-        if comm_first:
-            ev.append(("comm", f"{kind} {i}", c_end, cs[i]))
-            c_end += cs[i]
-            start = max(c_end, g_end)
-            g = gs[i] + (p.overlap_loss * min(cs[i + 1], gs[i]) if i + 1 < chunks else 0.0)
-            ev.append(("compute", f"gemm {i}", start, g))
-            g_end = start + g
-        else:
-            g = gs[i] + (p.overlap_loss * min(cs[i - 1], gs[i]) if i > 0 else 0.0)
-            ev.append(("compute", f"gemm {i}", g_end, g))
-            g_end += g
-            start = max(g_end, c_end)
-            ev.append(("comm", f"{kind} {i}", start, cs[i]))
-            c_end = start + cs[i]
-    if copy_bytes:
-        end = max(c_end, g_end)
-        ev.append(("compute", "copies", end, copy_bytes / p.copy_bw))
-    return base, ev
+    evs, _ = t_stages(stages, world, gemm, p, chunks, pred.get("copy_bytes", 0), pred.get("extent"),
+                      pred.get("add_bytes", 0), events=True)
+    return base, [(lane, label, float(t0), float(d)) for lane, label, t0, d in evs]

@@ -15,9 +15,15 @@ that their chunks can chain), the fewest chunks within ``CHUNK_TIE`` (1%) of the
 prediction (see ``_agree_on_chunks``). Every planned site carries its prediction in
 ``details["predicted"]``.
 
-All-to-all regions keep a rule (``chunks="auto"`` = min(4, extent); ``strategy="auto"``
-rewrites them when their all-to-all moves at least ``AUTO_MIN_BYTES`` per rank): the model
-has no formula for a region's three-stage pipeline yet.
+All-to-all regions (MoE dispatch -> experts -> combine, Ulysses projections -> all-to-all ->
+attention -> all-to-all -> output projection) are planned by the same model: the region's
+GEMMs and attention are grouped into compute stages and its all-to-alls into comm stages by
+how many all-to-alls lie before them (passes/all_to_all.region_stages), and the n-chunk
+pipeline of those stages (passes/cost.flow) is compared with the stages run one after
+another, with the copies the rewrite adds (tensors read whole reassembled, partial sums).
+A site whose all-to-all is part of an earlier site's region is predicted (and counted)
+there. Dropless regions (split sizes known only at run time) keep a rule: rewritten when
+their all-to-all moves at least ``AUTO_MIN_BYTES`` per rank, chunks min(4, extent).
 
 ``strategy="fuse"`` replaces AllGather -> mm and mm -> ReduceScatter sites by the fused
 Triton ops (passes/fuse.py) where the group has symmetric memory, and says why elsewhere.
@@ -29,7 +35,7 @@ from __future__ import annotations
 from overlapc.errors import OverlapError
 from overlapc.options import Options
 
-from . import cost, fuse, lower, ops
+from . import all_to_all, cost, fuse, lower, ops
 from .deps import DepGraph
 from .sites import MatchedSite
 
@@ -80,7 +86,19 @@ def predict_site(site: MatchedSite, profile: cost.Profile, extent: int) -> cost.
         copied = _nbytes(ops.val(site.coll))
         if site.pattern == "matmul_reduce_scatter":
             copied += sum(_nbytes(a) for a, _ in pairs)
-    return cost.predict(site.pattern, nbytes, flops, site.world, dtype, profile, extent, copy_bytes=copied)
+    return cost.predict(site.pattern, nbytes, flops, site.world, dtype, profile, extent, copy_bytes=copied,
+                        gemm_calls=len(pairs))
+
+
+def predict_region(site, profile: cost.Profile) -> cost.Prediction | None:
+    """The cost model's view of an all-to-all site's region (passes/all_to_all.region_stages)."""
+    got = all_to_all.region_stages(site.region)
+    if got is None or not site.world:
+        return None
+    stages, copy_bytes, add_bytes, dtype = got
+    if not any(st.lane == "compute" for st in stages):
+        return None
+    return cost.predict_stages(stages, site.world, dtype, profile, site.region.axis.extent, copy_bytes, add_bytes)
 
 
 def _nbytes(v) -> int:
@@ -109,6 +127,8 @@ def _agree_on_chunks(sites: list[MatchedSite], options: Options, profile) -> Non
     for s in sites:
         pred = s.details.get("predicted")
         if s.status != "planned" or s.strategy != "decompose" or not pred or s.details.get("chunks_fixed"):
+            continue
+        if s.pattern not in MODELLED:  # an all-to-all region chunks its own axis, chained with no row site
             continue
         extent = lower.RULES[type(s)].extent(s)
         groups.setdefault((s.world, str(extent)), []).append(s)
@@ -161,7 +181,22 @@ def _plan_each(sites: list[MatchedSite], options: Options, deps: DepGraph, profi
         rows = ops.hint(extent)
         if not isinstance(extent, int) and ops.symbolic_ok():
             site.details["bucket"] = {"rows": str(extent), "rows_at": rows, "planned_at": ops.bucket_sizes()}
-        pred = predict_site(site, profile, rows) if site.pattern in MODELLED and rows else None
+        if site.pattern in MODELLED and rows:
+            pred = predict_site(site, profile, rows)
+        elif isinstance(site, all_to_all.A2A_SITES) and site.pipeline is None and site.region is not None:
+            reacher = site.coll.meta.get(all_to_all.REACHED)
+            if reacher is not None and reacher is not site and (
+                    reacher.status == "planned" or reacher.details.get("predicted")):
+                # Part of an earlier site's region: predicted (and counted) there, chunked with it.
+                site.details["modelled_with"] = reacher.name
+                if reacher.status == "planned":
+                    site.strategy, site.chunks, site.status = "decompose", reacher.chunks, "planned"
+                else:
+                    site.reason = f"in the region of {reacher.name}: {reacher.reason}"
+                continue
+            pred = predict_region(site, profile)
+        else:
+            pred = None
         if pred is not None:
             site.details["predicted"] = {"profile": profile.name, **pred.to_dict(), "bytes": nbytes,
                                          "flops": pred.flops, "dtype": pred.dtype, "copy_bytes": pred.copy_bytes}
@@ -189,6 +224,10 @@ def _plan_each(sites: list[MatchedSite], options: Options, deps: DepGraph, profi
 
 
 def _where(site: MatchedSite) -> str:
+    region = getattr(site, "region", None)
+    if region is not None:
+        return (f"a region of {len(region.collectives)} all-to-alls and {len(region.matmuls)} GEMMs chunked along "
+                f"{region.axis.extent} slabs, {site.comm_bytes()} B per rank")
     mm = site.matmuls[0] if site.matmuls else None
     v = ops.val(mm) if mm is not None else None
     if v is not None and v.dim() >= 2:
