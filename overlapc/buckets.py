@@ -16,6 +16,10 @@ sizes (whether a site pays, how many chunks), so the backend returns a dispatche
   size, ...), recorded by the bucket's own ShapeEnv.
 - each call runs the first compiled entry of its bucket whose guards hold for its sizes;
   none: a new entry is compiled (same plan, other guards).
+- at most ``torch._dynamo.config.recompile_limit`` entries (8) per graph, as dynamo bounds
+  its own recompiles: a call that would need one more runs the graph as captured (eager,
+  no rewrite, its collectives whole) and says so once in a warning. Every rank sees the
+  same sizes in the same order in SPMD code, so all ranks fall back on the same call.
 
 Dynamo's own guards stay in charge of everything else (dtypes, devices, static dims).
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 
 import torch
 
@@ -56,6 +61,12 @@ def _symbolic(d) -> bool:
 
 def _is_symbolic(v) -> bool:
     return _symbolic(v) or (isinstance(v, torch.Tensor) and any(_symbolic(d) for d in v.shape))
+
+
+def entry_limit() -> int:
+    """Compiled entries per bucketed graph: dynamo's own recompile limit."""
+    import torch._dynamo.config as dc
+    return int(getattr(dc, "recompile_limit", None) or getattr(dc, "cache_size_limit", 8))
 
 
 def bucket_of(value: int) -> int:
@@ -100,6 +111,8 @@ class BucketedGraph:
         passes + inner compiler), run inside the bucket's shape context."""
         self.entries: dict[tuple, list[Entry]] = {}
         self.compiles = 0
+        self.fell_back = 0
+        """Calls run uncompiled because the entry limit was reached."""
         self._sizes = {d.node.expr for v in example_values if isinstance(v, torch.Tensor)
                        for d in v.shape if isinstance(d, torch.SymInt)}
         """Dynamo's size symbols: an int input that is none of them is a plain scalar, guarded
@@ -111,8 +124,22 @@ class BucketedGraph:
         entry = self._find(key, args)
         if entry is None:
             with _COMPILE_LOCK:
-                entry = self._find(key, args) or self._compile(args, key)  # another thread may have
+                entry = self._find(key, args)  # another thread may have compiled it
+                if entry is None:
+                    if self.compiles >= entry_limit():
+                        return self._fallback(key, args)
+                    entry = self._compile(args, key)
         return entry.compiled(*args)
+
+    def _fallback(self, key, args):
+        if not self.fell_back:
+            warnings.warn(
+                f"overlapc: this graph already has {self.compiles} shape-bucket entries "
+                f"(torch._dynamo.config.recompile_limit = {entry_limit()}); sizes in bucket {key} and any "
+                "other new ones run the captured graph without overlap (eager). Raise the limit, or mark "
+                "fewer dims dynamic, to compile them.", stacklevel=3)
+        self.fell_back += 1
+        return self.gm(*args)
 
     def _find(self, key, args) -> Entry | None:
         for entry in self.entries.get(key, ()):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -55,8 +56,7 @@ class Backend:
         """Callables gm -> None run after overlapc's passes (benchmarks use this to strip comm)."""
         self.graphs: list[tuple[str, torch.fx.GraphModule]] | None = [] if keep_graphs else None
         """With keep_graphs: (graph kind, rewritten GraphModule) of every graph compiled."""
-        self.bucketed: list = []
-        """The BucketedGraph of every graph compiled with symbolic sizes (overlapc/buckets.py)."""
+        self._bucketed: list = []
         self.__name__ = "overlapc"
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs, **kwargs):
@@ -70,6 +70,14 @@ class Backend:
         if extra:
             opts = Options.from_user(opts, **extra)
         return compile_graph(gm, example_inputs, opts, self)
+
+    @property
+    def bucketed(self) -> list:
+        """The BucketedGraph of every live graph compiled with symbolic sizes (overlapc/buckets.py).
+        Weak references: the graphs live as long as dynamo's cache holds them."""
+        live = [r() for r in self._bucketed]
+        self._bucketed = [r for r, g in zip(self._bucketed, live) if g is not None]
+        return [g for g in live if g is not None]
 
     def __repr__(self):
         return f"overlapc.Backend({self.options})"
@@ -93,7 +101,7 @@ def compile_graph(gm, example_inputs, opts: Options, be: Backend):
     if values is not None:
         # Sizes are symbols: plan and compile per shape bucket, at the first call in it.
         bucketed = BucketedGraph(gm, values, lambda g, fakes: _compile_static(g, fakes, opts, be))
-        be.bucketed.append(bucketed)
+        be._bucketed.append(weakref.ref(bucketed))
         return bucketed
     return _compile_static(gm, example_inputs, opts, be)
 

@@ -90,6 +90,43 @@ def test_bucket_plan_fits_its_smallest_size(fake_mesh8):
     assert sites[0].details["chunks_clamped"] == "8 -> 4: only 4 rows to split"
 
 
+def test_entry_limit_falls_back_to_the_captured_graph(fake_mesh8):
+    """Past dynamo's recompile limit a new size runs the graph as captured (no rewrite) with
+    one warning, instead of compiling without bound; compiled buckets keep their entries.
+    The backend holds its bucketed graphs weakly: dynamo's reset frees them."""
+    import gc
+    import warnings
+
+    import torch._dynamo.config as dc
+    import torch.distributed._functional_collectives as fc
+
+    import overlapc
+    from overlapc.options import Options
+
+    group = fake_mesh8.get_group()
+    w = torch.randn(16, 16)
+
+    def layer(x):
+        return fc.all_gather_tensor(x, 0, group) @ w
+
+    be = overlapc.Backend(Options.from_user(None, strategy="decompose", chunks=2, inner="eager"), verify_plans=False)
+    torch._dynamo.reset()
+    fn = torch.compile(layer, backend=be, dynamic=True)
+    with dc.patch(recompile_limit=2), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for rows in (8, 40, 130, 300, 41):  # buckets 8, 32, 128, 256, 32
+            assert fn(torch.randn(rows, 16)).shape == (8 * rows, 16)
+    (graph,) = be.bucketed
+    assert graph.compiles == 2 and sorted(k[0] for k in graph.entries) == [8, 32]
+    assert graph.fell_back == 2  # 130 and 300 rows; 41 ran bucket 32's entry
+    limit = [str(c.message) for c in caught if "recompile_limit = 2" in str(c.message)]
+    assert len(limit) == 1 and "without overlap" in limit[0], [str(c.message) for c in caught]
+    del graph
+    torch._dynamo.reset()
+    gc.collect()
+    assert be.bucketed == []
+
+
 def run_batches(inner: str, batches: list[int], seq: int, options: dict | None = None):
     """Job: one compiled TP+SP Llama (dynamic=True) against an eager twin, batch by batch;
     forward output and every gradient compared after each step."""
