@@ -5,7 +5,10 @@
 For each world size and link rate it builds an emulated cluster (benchmarks/cluster.py),
 runs ``overlapc calibrate`` inside it (the profile of *that* cluster: GEMM rates, link
 alpha/beta, reduce-scatter factor), then for each single-site program (AllGather -> mm and
-mm -> ReduceScatter, fp32, several shapes) times, interleaved in one run:
+mm -> ReduceScatter, fp32, several shapes) and for an MoE layer's forward (an all-to-all
+region: dispatch, experts, combine; the layer's routing is not modelled, so its predicted
+speedup is the measured baseline less the region's predicted saving) times, interleaved in
+one run:
 
 - the baseline (strategy "none"),
 - the site decomposed into n = 2, 3, 4, 6, 8 chunks (a sweep of fixed counts),
@@ -33,6 +36,9 @@ from benchmarks import common, harness
 CHUNKS = [2, 3, 4, 6, 8]
 # (M rows gathered / scattered in total, K, N): comm-bound, balanced, compute-bound at the rates below
 SHAPES = [(2048, 1024, 1024), (2048, 1024, 4096), (1024, 512, 4096)]
+# MoE layer forward (capacity form, bmm experts, top-2, 8 experts, fp32): (tokens per rank, dim, hidden)
+MOE_SHAPES = [(1024, 1024, 2048), (512, 512, 2048)]
+KINDS = ("ag_mm", "mm_rs", "moe")
 
 
 def ag_mm(x, w, group):
@@ -51,8 +57,15 @@ def plan_job(kind: str, shape, profile_path: str, iters: int) -> dict:
     M, K, N = shape
     if kind == "ag_mm":
         x, w, fn = torch.randn(M // world, K), torch.randn(K, N) / K ** 0.5, ag_mm
-    else:
+    elif kind == "mm_rs":
         x, w, fn = torch.randn(M, K // world), torch.randn(K // world, N) / K ** 0.5, mm_rs
+    else:  # a whole MoE layer: its region (dispatch, experts, combine) and the routing around it
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from overlapc.models import moe
+        layer, (tokens,) = moe.build_ep(init_device_mesh("cpu", (world,)), tokens=M, dim=K, hidden=N,
+                                         capacity_factor=1.25)
+        x, w, fn = tokens.detach(), None, lambda x, w, group: layer(x)
     variants = {"base": Options(inner="eager", strategy="none", schedule=False, hardware=profile_path),
                 "auto": Options(inner="eager", strategy="decompose", chunks="auto", hardware=profile_path)}
     for n in CHUNKS:
@@ -74,7 +87,7 @@ def plan_job(kind: str, shape, profile_path: str, iters: int) -> dict:
         s()
     times = common.interleaved(steps, iters)
     med = {k: statistics.median(v) for k, v in times.items()}
-    site = next(s for s in reports["auto"].report.sites if s.pattern != "collective")
+    site = next(s for s in reports["auto"].report.sites if s.pattern != "collective" and s.details.get("predicted"))
     pred = site.details["predicted"]
     return {"kind": kind, "shape": list(shape), "world": world, "t": med, "predicted": pred,
             "auto_chunks": site.chunks, "spread": {k: [min(v), max(v)] for k, v in times.items()}}
@@ -94,8 +107,8 @@ def run(args) -> list[dict]:
                           f"{prof['link']['beta_gbps'] * 1e3:.1f} MB/s, rs_factor {prof['rs_factor']}, fp32 GEMM "
                           f"{prof['gemm']['float32']['peak_tflops'] * 1e3:.0f} GFLOP/s", flush=True)
                     try:
-                        for kind in ("ag_mm", "mm_rs"):
-                            for shape in SHAPES:
+                        for kind in args.kinds:
+                            for shape in MOE_SHAPES if kind == "moe" else SHAPES:
                                 r = world.run(plan_job, kind, shape, path, args.iters)[0]
                                 r.update(rate_mbit=rate, profile=prof)
                                 rows.append(_score(r))
@@ -108,8 +121,14 @@ def run(args) -> list[dict]:
 def _score(r: dict) -> dict:
     t, p = r["t"], r["predicted"]
     n = r["auto_chunks"]
+
+    def predicted(k):
+        if r["kind"] != "moe":
+            return p["base_ms"] / p["by_chunks_ms"][str(k)]
+        # The layer: measured baseline less the region's predicted saving (routing is not modelled).
+        return t["base"] / (t["base"] - (p["base_ms"] - p["by_chunks_ms"][str(k)]) / 1e3)
     r["measured_speedup"] = t["base"] / t["auto"]
-    r["predicted_speedup"] = p["base_ms"] / p["by_chunks_ms"][str(n)]
+    r["predicted_speedup"] = predicted(n)
     r["error"] = (r["predicted_speedup"] - r["measured_speedup"]) / r["measured_speedup"]
     fixed = {int(k[1:]): v for k, v in t.items() if k.startswith("n")}
     best_n = min(fixed, key=fixed.get)
@@ -119,7 +138,7 @@ def _score(r: dict) -> dict:
     # auto variant, timed in the same run): separates the choice from timing noise.
     r["count_vs_best"] = fixed[n] / fixed[best_n] - 1 if n in fixed else r["auto_vs_best"]
     r["noise"] = abs(t["auto"] / fixed[n] - 1) if n in fixed else None
-    r["fixed_errors"] = {str(k): (p["base_ms"] / p["by_chunks_ms"][str(k)]) / (t["base"] / v) - 1
+    r["fixed_errors"] = {str(k): predicted(k) / (t["base"] / v) - 1
                          for k, v in fixed.items() if str(k) in p["by_chunks_ms"]}
     return r
 
@@ -131,6 +150,11 @@ def _line(r):
             f" (auto {r['auto_vs_best']:+.1%})")
 
 
+def _site_gain(r) -> float:
+    p = r["predicted"]
+    return (p["base_ms"] - p["by_chunks_ms"][str(r["auto_chunks"])]) / p["base_ms"]
+
+
 def report(rows, cmd: str) -> None:
     common.write_json("plan.json", rows)
     errs = [abs(r["error"]) for r in rows]
@@ -139,13 +163,14 @@ def report(rows, cmd: str) -> None:
     within_count = sum(1 for r in rows if r.get("count_vs_best", r["auto_vs_best"]) <= 0.05)
     noise = sorted(r["noise"] for r in rows if r.get("noise") is not None)
     # strategy="auto" keeps a site only if its predicted gain clears the profile's min_gain.
-    keep = [r["predicted_speedup"] - 1 >= r["profile"]["min_gain"] for r in rows]
+    keep = [_site_gain(r) >= r["profile"]["min_gain"] for r in rows]
     pays = [r["measured_speedup"] >= 1.0 for r in rows]
     right = sum(1 for k, m in zip(keep, pays) if k == m)
     slower_kept = sum(1 for k, r in zip(keep, rows) if k and r["measured_speedup"] < 0.97)
     lines = [
         "Single-site programs (fp32, inner eager): AllGather -> mm and mm -> ReduceScatter of "
-        f"(M, K, N) in {SHAPES}, world sizes {sorted({r['world'] for r in rows})}, link rates "
+        f"(M, K, N) in {SHAPES}, and the MoE layer's forward (fp32, capacity form, bmm experts, 8 experts, "
+        f"top-2, capacity factor 1.25; (tokens per rank, dim, hidden) in {MOE_SHAPES}), world sizes {sorted({r['world'] for r in rows})}, link rates "
         f"{sorted({r['rate_mbit'] for r in rows})} Mbit/s on the emulated cluster. The profile of each "
         "(world, rate) is calibrated in the same run (`overlapc calibrate` inside the cluster). Measured: "
         "medians of interleaved steps, baseline vs the planner's chunk count (strategy decompose, chunks auto) "
@@ -182,6 +207,7 @@ def main(argv=None):
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     p.add_argument("--rates", type=float, nargs="+", default=[1000.0, 3000.0])
     p.add_argument("--iters", type=int, default=7)
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     p.add_argument("--from-json", action="store_true",
                    help="rewrite the BENCHMARKS.md section from benchmarks/results/plan.json (no measuring)")
     args = p.parse_args(argv)

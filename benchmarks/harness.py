@@ -118,6 +118,7 @@ def bench_job(cfg: dict) -> dict:
     result["predicted_speedup"] = result["t_base"] / (result["t_base"] - saving) if saving < result["t_base"] else None
     result["sites"] = {
         "rewritten": sum(1 for s in rep.sites if s.status == "rewritten"),
+        "chunks": {s.name: s.chunks for s in rep.sites if s.status == "rewritten"},
         "skipped": [f"{s.name}: {s.reason}" for s in rep.sites if s.status == "skipped"],
     }
     if cfg.get("profile"):  # every rank runs the step; rank 0's timeline is kept
