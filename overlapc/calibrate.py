@@ -9,7 +9,10 @@ profile (a rank that planned from other numbers would issue other collectives).
 GEMM: square-ish ``mm`` of several sizes per dtype; the model's curve
 ``t = (F + F_half) / (peak * eff_max)`` is a straight line in F, fitted by least squares
 (``peak * eff_max`` from the slope, ``F_half`` from the intercept; eff_max is 1 here:
-"peak" is the best measured rate). Link: ``all_gather_into_tensor`` of several sizes;
+"peak" is the best measured rate); times are first divided by the rows term
+``1 + half_rows / M``, with half_rows from a skinny (128-row) and a wide (1024-row) ``mm``
+of one 1024 x 2048 weight (a chunk's GEMM streams the whole weight for its share of the
+rows). Link: ``all_gather_into_tensor`` of several sizes;
 ``t = (W-1) * alpha + (W-1) * B / beta``: beta from the slope over the three largest. The reduce-scatter factor is the
 measured ratio of a reduce-scatter to the ring formula (gloo runs it as an all-reduce).
 Overlap loss: an all-gather and a run of GEMMs of about the same duration started
@@ -26,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 GEMM_SIZES = [(128, 256, 256), (256, 512, 512), (512, 1024, 1024), (1024, 1024, 1024)]
+SKINNY = (128, 1024, 1024, 2048)
+"""(M skinny, M wide, K, N): one weight, few and many rows (the rows term of the GEMM curve)."""
 COMM_BYTES = [1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 22]
 
 
@@ -68,16 +73,26 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
     gemm, points = {}, {}
     for dt in dtypes:
         dtype = getattr(torch, dt)
+        # Skinny against wide GEMM of one weight: how the rate falls with the rows (M), as a
+        # chunk's GEMM streams the whole weight for a fraction of the rows. Per flop,
+        # t ~ (1 + half_rows / M)  =>  half_rows = (r - 1) / (1 / M_s - r / M_l).
+        (ms, ml, k2, n2) = SKINNY
+        w2 = torch.randn(k2, n2, dtype=dtype)
+        a_s, a_l = torch.randn(ms, k2, dtype=dtype), torch.randn(ml, k2, dtype=dtype)
+        r = (_median(lambda: torch.mm(a_s, w2), reps) / ms) / (_median(lambda: torch.mm(a_l, w2), reps) / ml)
+        half_rows = max(0.0, (r - 1) / (1 / ms - r / ml)) if r < ml / ms else 0.0
         flops, times = [], []
         for m, n, k in GEMM_SIZES:
             a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
             flops.append(2 * m * n * k)
             times.append(_median(lambda: torch.mm(a, b), reps))
         points[dt] = [[f, round(t, 9)] for f, t in zip(flops, times)]
-        icpt, slope = _fit(flops, times)
+        # The rows term is the model's own: fit peak and half_gflop to the times without it.
+        icpt, slope = _fit(flops, [t / (1 + half_rows / m) for t, (m, _, _) in zip(times, GEMM_SIZES)])
         rate = 1 / slope if slope > 0 else max(f / t for f, t in zip(flops, times))
         half = max(0.0, icpt * rate)
-        gemm[dt] = {"peak_tflops": rate / 1e12, "eff_max": 1.0, "half_gflop": half / 1e9}
+        gemm[dt] = {"peak_tflops": rate / 1e12, "eff_max": 1.0, "half_gflop": half / 1e9,
+                    "half_rows": round(half_rows, 1)}
     xs, ys, ratio = [], [], []
     for nbytes in COMM_BYTES:
         x = torch.empty(nbytes // 4, dtype=torch.float32)

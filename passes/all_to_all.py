@@ -214,11 +214,14 @@ def region_stages(region: ax.Region):
 
     A node's level is the number of all-to-alls between the region's start and it: GEMMs
     (and fused attention) at level L form compute stage 2L, the all-to-alls they feed comm
-    stage 2L + 1. Elementwise ops are not modelled (memory-bound, small beside the GEMMs)."""
+    stage 2L + 1. A compute stage's rows are those of its skinniest GEMM (M), cut by the chunks
+    when the region's axis runs along them (MoE capacity slots) and whole per chunk when it
+    does not (Ulysses heads). Elementwise ops are not modelled (memory-bound, small beside
+    the GEMMs)."""
     from . import cost
 
     level: dict[Node, int] = {}
-    amount: dict[int, list[int]] = {}  # stage -> [amount, count]
+    amount: dict[int, list] = {}  # stage -> [amount, count, rows, rows_chunked]
     dtype = None
     copy_bytes = add_bytes = 0
     for st in region.steps:
@@ -233,7 +236,7 @@ def region_stages(region: ax.Region):
             shape = ax.static_shape(node.args[0])
             if a is not None and shape is not None and math.prod(shape[:a.dim]) * a.outer(shape) > 1:
                 copy_bytes += nb * x.element_size()
-            acc = amount.setdefault(2 * lvl + 1, [0, 0])
+            acc = amount.setdefault(2 * lvl + 1, [0, 0, None, True])
             acc[0] += nb * x.element_size()
             acc[1] += 1
             level[node] = lvl + 1
@@ -241,9 +244,13 @@ def region_stages(region: ax.Region):
         level[node] = lvl
         f = _matmul_flops(node) if node.target in ops.MATMULS else _attention_flops(node)
         if f is not None:
-            acc = amount.setdefault(2 * lvl, [0, 0])
+            acc = amount.setdefault(2 * lvl, [0, 0, None, True])
             acc[0] += f
             acc[1] += 1
+            out = ops.val(node)
+            m = ops.hint(out.shape[-2]) if node.target in ops.MATMULS and out is not None else None
+            if m is not None and (acc[2] is None or m < acc[2]):  # the stage's skinniest GEMM
+                acc[2], acc[3] = m, st.axis is not None and st.axis.dim == out.dim() - 2
             if dtype is None and ops.val(node) is not None:
                 dtype = str(ops.val(node).dtype).replace("torch.", "")
         if st.axis is None:  # a sum over the axis: one more partial per extra chunk
@@ -259,11 +266,13 @@ def region_stages(region: ax.Region):
     stages: list = []
     for s in sorted(amount):
         lane = "comm" if s % 2 else "compute"
-        total, count = amount[s]
+        total, count, rows, chunked = amount[s]
         if stages and stages[-1].lane == lane:  # an empty stage between two of one lane: merge them
             prev = stages.pop()
             total, count = total + prev.amount, count + prev.count
-        stages.append(cost.Stage(lane, "all_to_all" if lane == "comm" else "gemm", total, count))
+            if prev.rows is not None and (rows is None or prev.rows < rows):
+                rows, chunked = prev.rows, prev.rows_chunked
+        stages.append(cost.Stage(lane, "all_to_all" if lane == "comm" else "gemm", total, count, rows, chunked))
     return stages, copy_bytes, add_bytes, dtype or "float32"
 
 

@@ -69,6 +69,8 @@ class Gemm:
     peak_flops: float   # flop/s, vendor peak (or measured best)
     eff_max: float      # fraction of peak the largest GEMMs reach
     half_flops: float   # flops at which a GEMM reaches half of eff_max * peak
+    half_rows: float = 0.0  # rows (M) at which a GEMM's rate halves: a skinny GEMM streams its
+                            # whole weight for few rows (0: not modelled)
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,8 @@ class Profile:
 
 def profile_from_dict(d: dict, path: str | None = None) -> Profile:
     try:
-        gemm = {k: Gemm(float(v["peak_tflops"]) * 1e12, float(v["eff_max"]), float(v["half_gflop"]) * 1e9)
+        gemm = {k: Gemm(float(v["peak_tflops"]) * 1e12, float(v["eff_max"]), float(v["half_gflop"]) * 1e9,
+                        float(v.get("half_rows", 0.0)))
                 for k, v in d["gemm"].items()}
         link = Link(float(d["link"]["alpha_us"]) * 1e-6, float(d["link"]["beta_gbps"]) * 1e9)
         return Profile(name=d["name"], source=d["source"], gemm=gemm, link=link,
@@ -155,11 +158,15 @@ def default_profile_name() -> str:
 
 
 # ------------------------------------------------------------------ formulas (sympy)
-def t_gemm(flops, g: Gemm):
+def t_gemm(flops, g: Gemm, rows=None):
+    """Time of one GEMM call of ``flops`` with ``rows`` rows (M; None: not known)."""
     flops = sympy.sympify(flops)
     if flops.is_number and flops == 0:
         return sympy.Integer(0)
-    return (flops + g.half_flops) / (g.peak_flops * g.eff_max)
+    t = (flops + g.half_flops) / (g.peak_flops * g.eff_max)
+    if rows is not None and g.half_rows:
+        t = t * (1 + g.half_rows / sympy.sympify(rows))
+    return t
 
 
 def t_comm(kind: str, nbytes, world: int, p: Profile):
@@ -190,15 +197,20 @@ class Stage:
     kind: str           # "gemm", or the collective: "all_gather", "reduce_scatter", ...
     amount: int         # compute: flops; comm: bytes of this rank's inputs (all collectives of the stage)
     count: int = 1      # collectives (or GEMM calls) the stage is made of; each pays its latency per chunk
+    rows: int | None = None   # compute: rows (M) of its GEMM calls, whole
+    rows_chunked: bool = True  # the chunks cut those rows (else each chunk's GEMMs keep them all)
 
     def to_dict(self) -> dict:
-        return {"lane": self.lane, "kind": self.kind, "amount": self.amount, "count": self.count}
+        return {"lane": self.lane, "kind": self.kind, "amount": self.amount, "count": self.count,
+                "rows": self.rows, "rows_chunked": self.rows_chunked}
 
 
 def stage_times(st: Stage, fracs: list, world: int, gemm: Gemm, p: Profile) -> list:
     """Per-chunk durations of one stage; ``fracs`` the chunks' shares of the rows."""
     if st.lane == "compute":
-        return [st.count * t_gemm(sympy.sympify(st.amount) * f / st.count, gemm) for f in fracs]
+        rows = (lambda f: st.rows * f) if st.rows_chunked else (lambda f: st.rows)
+        return [st.count * t_gemm(sympy.sympify(st.amount) * f / st.count, gemm, None if st.rows is None else rows(f))
+                for f in fracs]
     ts = [st.count * t_comm(st.kind, sympy.sympify(st.amount) * f / st.count, world, p) for f in fracs]
     if st.kind in ("reduce_scatter", "all_reduce") and p.concurrent_reductions and len(ts) > 1:
         # Issued at once and run concurrently (gloo): the chunks share one latency, not one each.
@@ -277,10 +289,11 @@ def t_serial(stages: list[Stage], world: int, gemm: Gemm, p: Profile):
     return sum((stage_times(st, [1], world, gemm, p)[0] for st in stages), sympy.Integer(0))
 
 
-def site_stages(pattern: str, nbytes, flops, count: int = 1) -> list[Stage]:
-    """AllGather -> mm, mm -> ReduceScatter, mm -> AllReduce: the two stages."""
+def site_stages(pattern: str, nbytes, flops, count: int = 1, rows=None) -> list[Stage]:
+    """AllGather -> mm, mm -> ReduceScatter, mm -> AllReduce: the two stages (the chunks cut
+    the GEMMs' rows)."""
     comm = Stage("comm", KIND[pattern], nbytes)
-    gemm = Stage("compute", "gemm", flops, count)
+    gemm = Stage("compute", "gemm", flops, count, rows)
     return [comm, gemm] if COMM_FIRST.get(pattern) else [gemm, comm]
 
 
@@ -331,13 +344,14 @@ class Prediction:
 
 
 def predict(pattern: str, nbytes: int, flops: int, world: int, dtype: str, p: Profile, extent: int,
-            copy_bytes: int = 0, gemm_calls: int = 1) -> Prediction:
+            copy_bytes: int = 0, gemm_calls: int = 1, rows: int | None = None) -> Prediction:
     """Baseline and best overlapped time of an AllGather -> mm, mm -> ReduceScatter or
     mm -> AllReduce site (numbers in, numbers out).
 
     ``copy_bytes``: what the decomposition copies besides the GEMMs and collectives
     (chunk outputs concatenated into the original layout, inputs regrouped by rank)."""
-    return predict_stages(site_stages(pattern, nbytes, flops, gemm_calls), world, dtype, p, extent, copy_bytes)
+    return predict_stages(site_stages(pattern, nbytes, flops, gemm_calls, rows), world, dtype, p, extent,
+                          copy_bytes)
 
 
 def predict_stages(stages: list[Stage], world: int, dtype: str, p: Profile, extent: int, copy_bytes: int = 0,

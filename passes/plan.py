@@ -86,8 +86,10 @@ def predict_site(site: MatchedSite, profile: cost.Profile, extent: int) -> cost.
         copied = _nbytes(ops.val(site.coll))
         if site.pattern == "matmul_reduce_scatter":
             copied += sum(_nbytes(a) for a, _ in pairs)
+    ms = [ops.hint(out.shape[-2]) for _, out in pairs]  # M of the GEMM calls the chunks cut
+    rows = None if None in ms else min(ms)
     return cost.predict(site.pattern, nbytes, flops, site.world, dtype, profile, extent, copy_bytes=copied,
-                        gemm_calls=len(pairs))
+                        gemm_calls=len(pairs), rows=rows)
 
 
 def predict_region(site, profile: cost.Profile) -> cost.Prediction | None:

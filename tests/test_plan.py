@@ -77,6 +77,19 @@ def test_flow_is_the_issue_order_recurrence():
     assert float(lossy) == pytest.approx(2 + (2 + 0.5 * 2) + 2)
 
 
+def test_skinny_gemms_pay_the_rows_term():
+    g = cost.Gemm(1e12, 1.0, 0.0, half_rows=64)
+    f = 2 * 1024 * 1024 * 1024
+    assert float(cost.t_gemm(f, g, rows=64)) == pytest.approx(2 * float(cost.t_gemm(f, g)))
+    p = cost.load_profile("h100-nvlink")
+    p = cost.Profile(**{**p.__dict__, "gemm": {"float32": g}})
+    cut = cost.Stage("compute", "gemm", f, 1, rows=512)  # the chunks cut the rows: 128 rows each at n=4
+    kept = cost.Stage("compute", "gemm", f, 1, rows=512, rows_chunked=False)  # chunks of heads: rows stay
+    fr = cost.chunk_fracs(4, 512)
+    assert sum(map(float, cost.stage_times(cut, fr, 8, g, p))) == pytest.approx(f / 1e12 * 1.5)
+    assert sum(map(float, cost.stage_times(kept, fr, 8, g, p))) == pytest.approx(f / 1e12 * 1.125)
+
+
 def test_pipeline_matches_flow_plus_overheads():
     p = cost.load_profile("h100-nvlink")
     g = p.gemm["bfloat16"]
