@@ -156,6 +156,7 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
         "overlap_loss": round(loss, 3),
         "min_gain": 0.03,
         "concurrent_reductions": dist.get_backend(group) == "gloo",
+        "comm_threads": 2 if dist.get_backend(group) == "gloo" else 1,  # ProcessGroupGloo's default threads
         "rs_factor": round(sum(rs) / len(rs), 2),
         "fused_efficiency": None,
         "measured": {"mm_flops_s": points, "all_gather_bytes_s": [[x, round(y, 9)] for x, y in zip(xs, ys)]},

@@ -38,8 +38,9 @@ the copies are the chunk outputs concatenated back into the original layout (and
 reduce-scatter, the GEMM input regrouped by destination rank; for a region, the tensors
 read whole and the partial sums). Chunks are sized like the rewrite sizes them
 (passes/build.chunk_sizes: weights 1, 2, .., 2, 1). Where chunked reduce-scatters and
-all-reduces run concurrently (gloo: overlapc issues them all at once; NCCL on one stream
-does not), their chunks share one latency. Fused (a GPU with symmetric memory):
+all-reduces run concurrently (gloo: overlapc issues them all at once and the group's two
+worker threads run two at a time; NCCL on one stream does not), each later chunk pays
+1/comm_threads of the latency. Fused (a GPU with symmetric memory):
 ``Max(t_gemm / fused_efficiency, t_comm) + t_comm / n_tiles_in_flight`` approximated as
 ``Max(g / eff_fused, c) + c / 8``.
 """
@@ -90,7 +91,8 @@ class Profile:
     rs_factor: float = 1.0          # reduce-scatter cost relative to the ring formula (gloo: 2)
     copy_bw: float = 1e12           # bytes/s of a device-local copy (read + write counted once)
     overlap_loss: float = 0.0       # share of the shorter of (transfer, GEMM) that still shows when they overlap
-    concurrent_reductions: bool = False  # chunked RS/AR run concurrently (gloo): their latencies overlap
+    concurrent_reductions: bool = False  # chunked RS/AR issued at once run concurrently (gloo)
+    comm_threads: int = 1           # collectives a group runs at once (gloo: its 2 worker threads)
     fused_efficiency: float | None = None  # fused kernels' GEMM rate relative to plain GEMMs; None: no fused kernels
 
     def gemm_for(self, dtype: str) -> Gemm:
@@ -108,6 +110,7 @@ def profile_from_dict(d: dict, path: str | None = None) -> Profile:
                        rs_factor=float(d.get("rs_factor", 1.0)), copy_bw=float(d.get("copy_gbps", 1000)) * 1e9,
                        overlap_loss=float(d.get("overlap_loss", 0.0)),
                        concurrent_reductions=bool(d.get("concurrent_reductions", False)),
+                       comm_threads=int(d.get("comm_threads", 2 if d.get("concurrent_reductions") else 1)),
                        fused_efficiency=d.get("fused_efficiency"))
     except (KeyError, TypeError, ValueError) as e:
         raise OverlapError(f"hardware profile {path or d.get('name')!r} is malformed: {type(e).__name__}: {e}; "
@@ -213,9 +216,10 @@ def stage_times(st: Stage, fracs: list, world: int, gemm: Gemm, p: Profile) -> l
                 for f in fracs]
     ts = [st.count * t_comm(st.kind, sympy.sympify(st.amount) * f / st.count, world, p) for f in fracs]
     if st.kind in ("reduce_scatter", "all_reduce") and p.concurrent_reductions and len(ts) > 1:
-        # Issued at once and run concurrently (gloo): the chunks share one latency, not one each.
+        # Issued at once, they run ``comm_threads`` at a time (gloo: ProcessGroupGloo's two
+        # worker threads): each chunk after the first pays 1/comm_threads of the latency.
         lat = st.count * t_comm(st.kind, 0, world, p)
-        ts = [ts[0]] + [t - lat for t in ts[1:]]
+        ts = [ts[0]] + [t - lat * (1 - sympy.Rational(1, max(1, p.comm_threads))) for t in ts[1:]]
     return ts
 
 
