@@ -127,19 +127,21 @@ class BucketedGraph:
                 entry = self._find(key, args)  # another thread may have compiled it
                 if entry is None:
                     if self.compiles >= entry_limit():
-                        return self._fallback(key, args)
-                    entry = self._compile(args, key)
+                        self._note_fallback(key)
+                    else:
+                        entry = self._compile(args, key)
+            if entry is None:  # run outside the lock: the graph issues collectives
+                return self.gm(*args)
         return entry.compiled(*args)
 
-    def _fallback(self, key, args):
+    def _note_fallback(self, key):
         if not self.fell_back:
             warnings.warn(
                 f"overlapc: this graph already has {self.compiles} shape-bucket entries "
                 f"(torch._dynamo.config.recompile_limit = {entry_limit()}); sizes in bucket {key} and any "
                 "other new ones run the captured graph without overlap (eager). Raise the limit, or mark "
-                "fewer dims dynamic, to compile them.", stacklevel=3)
+                "fewer dims dynamic, to compile them.", stacklevel=4)
         self.fell_back += 1
-        return self.gm(*args)
 
     def _find(self, key, args) -> Entry | None:
         for entry in self.entries.get(key, ()):

@@ -76,18 +76,26 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
         # Skinny against wide GEMM of one weight: how the rate falls with the rows (M), as a
         # chunk's GEMM streams the whole weight for a fraction of the rows. Per flop,
         # t ~ (1 + half_rows / M)  =>  half_rows = (r - 1) / (1 / M_s - r / M_l).
+        # half_flops (a fixed cost per call) is taken out of both times first, from a fit
+        # without the rows term; then peak and half_flops are refitted without the rows term.
         (ms, ml, k2, n2) = SKINNY
         w2 = torch.randn(k2, n2, dtype=dtype)
         a_s, a_l = torch.randn(ms, k2, dtype=dtype), torch.randn(ml, k2, dtype=dtype)
-        r = (_median(lambda: torch.mm(a_s, w2), reps) / ms) / (_median(lambda: torch.mm(a_l, w2), reps) / ml)
-        half_rows = max(0.0, (r - 1) / (1 / ms - r / ml)) if r < ml / ms else 0.0
+        t_s, t_l = _median(lambda: torch.mm(a_s, w2), reps), _median(lambda: torch.mm(a_l, w2), reps)
         flops, times = [], []
         for m, n, k in GEMM_SIZES:
             a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
             flops.append(2 * m * n * k)
             times.append(_median(lambda: torch.mm(a, b), reps))
         points[dt] = [[f, round(t, 9)] for f, t in zip(flops, times)]
-        # The rows term is the model's own: fit peak and half_gflop to the times without it.
+        half_rows = 0.0
+        for _ in range(2):  # rows term <- fit without it; fit <- times without the rows term
+            icpt, slope = _fit(flops, [t / (1 + half_rows / m) for t, (m, _, _) in zip(times, GEMM_SIZES)])
+            rate = 1 / slope if slope > 0 else max(f / t for f, t in zip(flops, times))
+            half = max(0.0, icpt * rate)
+            f_s, f_l = 2 * ms * k2 * n2, 2 * ml * k2 * n2
+            r = (t_s / (f_s + half)) / (t_l / (f_l + half))
+            half_rows = max(0.0, (r - 1) / (1 / ms - r / ml)) if r < ml / ms else 0.0
         icpt, slope = _fit(flops, [t / (1 + half_rows / m) for t, (m, _, _) in zip(times, GEMM_SIZES)])
         rate = 1 / slope if slope > 0 else max(f / t for f, t in zip(flops, times))
         half = max(0.0, icpt * rate)

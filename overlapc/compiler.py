@@ -75,9 +75,7 @@ class Backend:
     def bucketed(self) -> list:
         """The BucketedGraph of every live graph compiled with symbolic sizes (overlapc/buckets.py).
         Weak references: the graphs live as long as dynamo's cache holds them."""
-        live = [r() for r in self._bucketed]
-        self._bucketed = [r for r, g in zip(self._bucketed, live) if g is not None]
-        return [g for g in live if g is not None]
+        return [g for g in (r() for r in list(self._bucketed)) if g is not None]
 
     def __repr__(self):
         return f"overlapc.Backend({self.options})"
@@ -101,7 +99,7 @@ def compile_graph(gm, example_inputs, opts: Options, be: Backend):
     if values is not None:
         # Sizes are symbols: plan and compile per shape bucket, at the first call in it.
         bucketed = BucketedGraph(gm, values, lambda g, fakes: _compile_static(g, fakes, opts, be))
-        be._bucketed.append(weakref.ref(bucketed))
+        be._bucketed[:] = [r for r in be._bucketed if r() is not None] + [weakref.ref(bucketed)]
         return bucketed
     return _compile_static(gm, example_inputs, opts, be)
 

@@ -192,7 +192,10 @@ def _attention_flops(node: Node) -> int | None:
         return None
     flops = 4 * b * h * sq * sk * d * (5 if bwd else 2) // 2
     causal_at = 7 if bwd else 4  # the CPU flash op's is_causal
-    if "for_cpu" in name and len(node.args) > causal_at and node.args[causal_at] is True:
+    causal = node.kwargs.get("is_causal")
+    if causal is None and "for_cpu" in name and len(node.args) > causal_at:
+        causal = node.args[causal_at]
+    if causal is True:
         flops //= 2
     return flops
 
@@ -214,7 +217,8 @@ def region_stages(region: ax.Region):
 
     A node's level is the number of all-to-alls between the region's start and it: GEMMs
     (and fused attention) at level L form compute stage 2L, the all-to-alls they feed comm
-    stage 2L + 1. A compute stage's rows are those of its skinniest GEMM (M), cut by the chunks
+    stage 2L + 1. A compute stage's rows are those of its skinniest GEMM (M) among those whose
+    rows the chunks cut (else among all), cut by the chunks
     when the region's axis runs along them (MoE capacity slots) and whole per chunk when it
     does not (Ulysses heads). Elementwise ops are not modelled (memory-bound, small beside
     the GEMMs)."""
@@ -249,8 +253,11 @@ def region_stages(region: ax.Region):
             acc[1] += 1
             out = ops.val(node)
             m = ops.hint(out.shape[-2]) if node.target in ops.MATMULS and out is not None else None
-            if m is not None and (acc[2] is None or m < acc[2]):  # the stage's skinniest GEMM
-                acc[2], acc[3] = m, st.axis is not None and st.axis.dim == out.dim() - 2
+            cut = m is not None and st.axis is not None and st.axis.dim == out.dim() - 2
+            # The stage's skinniest GEMM whose rows the chunks cut (those pay more per chunk),
+            # else its skinniest one.
+            if m is not None and (acc[2] is None or (cut, -m) > (acc[3], -acc[2])):
+                acc[2], acc[3] = m, cut
             if dtype is None and ops.val(node) is not None:
                 dtype = str(ops.val(node).dtype).replace("torch.", "")
         if st.axis is None:  # a sum over the axis: one more partial per extra chunk
@@ -270,7 +277,7 @@ def region_stages(region: ax.Region):
         if stages and stages[-1].lane == lane:  # an empty stage between two of one lane: merge them
             prev = stages.pop()
             total, count = total + prev.amount, count + prev.count
-            if prev.rows is not None and (rows is None or prev.rows < rows):
+            if prev.rows is not None and (rows is None or (prev.rows_chunked, -prev.rows) > (chunked, -rows)):
                 rows, chunked = prev.rows, prev.rows_chunked
         stages.append(cost.Stage(lane, "all_to_all" if lane == "comm" else "gemm", total, count, rows, chunked))
     return stages, copy_bytes, add_bytes, dtype or "float32"

@@ -92,7 +92,8 @@ class Profile:
     copy_bw: float = 1e12           # bytes/s of a device-local copy (read + write counted once)
     overlap_loss: float = 0.0       # share of the shorter of (transfer, GEMM) that still shows when they overlap
     concurrent_reductions: bool = False  # chunked RS/AR issued at once run concurrently (gloo)
-    comm_threads: int = 1           # collectives a group runs at once (gloo: its 2 worker threads)
+    comm_threads: int | None = None  # collectives a group runs at once (gloo: its 2 worker threads);
+                                     # None: 2 where concurrent_reductions, else 1
     fused_efficiency: float | None = None  # fused kernels' GEMM rate relative to plain GEMMs; None: no fused kernels
 
     def gemm_for(self, dtype: str) -> Gemm:
@@ -110,7 +111,7 @@ def profile_from_dict(d: dict, path: str | None = None) -> Profile:
                        rs_factor=float(d.get("rs_factor", 1.0)), copy_bw=float(d.get("copy_gbps", 1000)) * 1e9,
                        overlap_loss=float(d.get("overlap_loss", 0.0)),
                        concurrent_reductions=bool(d.get("concurrent_reductions", False)),
-                       comm_threads=int(d.get("comm_threads", 2 if d.get("concurrent_reductions") else 1)),
+                       comm_threads=d.get("comm_threads"),
                        fused_efficiency=d.get("fused_efficiency"))
     except (KeyError, TypeError, ValueError) as e:
         raise OverlapError(f"hardware profile {path or d.get('name')!r} is malformed: {type(e).__name__}: {e}; "
@@ -167,8 +168,9 @@ def t_gemm(flops, g: Gemm, rows=None):
     if flops.is_number and flops == 0:
         return sympy.Integer(0)
     t = (flops + g.half_flops) / (g.peak_flops * g.eff_max)
-    if rows is not None and g.half_rows:
-        t = t * (1 + g.half_rows / sympy.sympify(rows))
+    rows = sympy.sympify(rows) if rows is not None else None
+    if rows is not None and g.half_rows and not (rows.is_number and rows <= 0):
+        t = t * (1 + g.half_rows / rows)
     return t
 
 
@@ -219,7 +221,8 @@ def stage_times(st: Stage, fracs: list, world: int, gemm: Gemm, p: Profile) -> l
         # Issued at once, they run ``comm_threads`` at a time (gloo: ProcessGroupGloo's two
         # worker threads): each chunk after the first pays 1/comm_threads of the latency.
         lat = st.count * t_comm(st.kind, 0, world, p)
-        ts = [ts[0]] + [t - lat * (1 - sympy.Rational(1, max(1, p.comm_threads))) for t in ts[1:]]
+        k = p.comm_threads or 2
+        ts = [ts[0]] + [t - lat * (1 - sympy.Rational(1, max(1, int(k)))) for t in ts[1:]]
     return ts
 
 
@@ -286,11 +289,6 @@ def t_stages(stages: list[Stage], world: int, gemm: Gemm, p: Profile, n: int, co
     if tail:
         out.append(("compute", "chunk overhead + copies", end, tail))
     return out, end + tail
-
-
-def t_serial(stages: list[Stage], world: int, gemm: Gemm, p: Profile):
-    """The stages as they are: one after another, nothing overlapped."""
-    return sum((stage_times(st, [1], world, gemm, p)[0] for st in stages), sympy.Integer(0))
 
 
 def site_stages(pattern: str, nbytes, flops, count: int = 1, rows=None) -> list[Stage]:

@@ -92,15 +92,18 @@ def predict_site(site: MatchedSite, profile: cost.Profile, extent: int) -> cost.
                         gemm_calls=len(pairs), rows=rows)
 
 
-def predict_region(site, profile: cost.Profile) -> cost.Prediction | None:
-    """The cost model's view of an all-to-all site's region (passes/all_to_all.region_stages)."""
-    got = all_to_all.region_stages(site.region)
+def predict_region(site, profile: cost.Profile, left_out=frozenset()) -> cost.Prediction | None:
+    """The cost model's view of an all-to-all site's region (passes/all_to_all.region_stages),
+    grown as the rewrite will grow it: without the all-to-alls of sites left alone
+    (``left_out``: strategy "none", below min_bytes)."""
+    region = all_to_all.best_region(site, lambda coll: coll is site.coll or coll not in left_out) or site.region
+    got = all_to_all.region_stages(region)
     if got is None or not site.world:
         return None
     stages, copy_bytes, add_bytes, dtype = got
     if not any(st.lane == "compute" for st in stages):
         return None
-    return cost.predict_stages(stages, site.world, dtype, profile, site.region.axis.extent, copy_bytes, add_bytes)
+    return cost.predict_stages(stages, site.world, dtype, profile, region.axis.extent, copy_bytes, add_bytes)
 
 
 def _nbytes(v) -> int:
@@ -149,6 +152,8 @@ def _agree_on_chunks(sites: list[MatchedSite], options: Options, profile) -> Non
 
 
 def _plan_each(sites: list[MatchedSite], options: Options, deps: DepGraph, profile) -> None:
+    left_out = frozenset(s.coll for s in sites if options.for_site(s.name)["strategy"] == "none" or (
+        options.min_bytes and s.comm_bytes() is not None and s.comm_bytes() < options.min_bytes))
     for site in sites:
         per_site = options.for_site(site.name)
         strategy, chunks = per_site["strategy"], per_site["chunks"]
@@ -188,7 +193,7 @@ def _plan_each(sites: list[MatchedSite], options: Options, deps: DepGraph, profi
         elif isinstance(site, all_to_all.A2A_SITES) and site.pipeline is None and site.region is not None:
             reacher = site.coll.meta.get(all_to_all.REACHED)
             if reacher is not None and reacher is not site and (
-                    reacher.status == "planned" or reacher.details.get("predicted")):
+                    reacher.status == "planned" or (reacher.details.get("predicted") and strategy == "auto")):
                 # Part of an earlier site's region: predicted (and counted) there, chunked with it.
                 site.details["modelled_with"] = reacher.name
                 if reacher.status == "planned":
@@ -196,7 +201,7 @@ def _plan_each(sites: list[MatchedSite], options: Options, deps: DepGraph, profi
                 else:
                     site.reason = f"in the region of {reacher.name}: {reacher.reason}"
                 continue
-            pred = predict_region(site, profile)
+            pred = predict_region(site, profile, left_out)
         else:
             pred = None
         if pred is not None:

@@ -81,6 +81,7 @@ def test_skinny_gemms_pay_the_rows_term():
     g = cost.Gemm(1e12, 1.0, 0.0, half_rows=64)
     f = 2 * 1024 * 1024 * 1024
     assert float(cost.t_gemm(f, g, rows=64)) == pytest.approx(2 * float(cost.t_gemm(f, g)))
+    assert float(cost.t_gemm(f, g, rows=0)) == float(cost.t_gemm(f, g))  # no rows: no term, no division by 0
     p = cost.load_profile("h100-nvlink")
     p = cost.Profile(**{**p.__dict__, "gemm": {"float32": g}})
     cut = cost.Stage("compute", "gemm", f, 1, rows=512)  # the chunks cut the rows: 128 rows each at n=4
@@ -196,11 +197,11 @@ def test_calibrate_gives_every_rank_rank0s_numbers(world2, tmp_path):
     assert cost.load_profile(str(f)).name == "cpu-local"
 
 
-def _moe_plan(mesh, profile, **kw):
+def _moe_plan(mesh, profile, overrides=None, **kw):
     from overlapc.models import moe
 
     model, inputs = moe.build_ep(mesh, **kw)
-    return overlapc.explain(model, *inputs, options={"hardware": profile})
+    return overlapc.explain(model, *inputs, options={"hardware": profile, "overrides": overrides or {}})
 
 
 def test_all_to_all_regions_are_planned_by_the_model(fake_mesh8, tmp_path):
@@ -215,6 +216,15 @@ def test_all_to_all_regions_are_planned_by_the_model(fake_mesh8, tmp_path):
     assert pred["stages"][0]["kind"] == "all_to_all" and pred["stages"][1]["count"] >= 2
     chained = [s for s in a2a if s.details.get("modelled_with")]
     assert chained and all(s.reason.startswith("in the region of ") for s in chained)
+    # A chained site's own override wins over its region's model skip: the combine is planned
+    # by itself (its own region: the experts upstream of it and the combine).
+    forced = _moe_plan(fake_mesh8, "h100-nvlink", overrides={"forward:*:matmul_all_to_all": {"strategy": "decompose"}})
+    combine = next(s for s in forced.sites if s.name.startswith("forward:") and s.pattern == "matmul_all_to_all")
+    assert combine.status == "rewritten" and "modelled_with" not in combine.details, (combine.status, combine.reason)
+    # A site left alone (strategy "none") is not part of the region another site's prediction prices.
+    alone = _moe_plan(fake_mesh8, "h100-nvlink", overrides={"forward:*:matmul_all_to_all": {"strategy": "none"}})
+    dispatch = next(s for s in alone.sites if s.name.startswith("forward:") and s.pattern == "all_to_all_matmul")
+    assert [st["lane"] for st in dispatch.details["predicted"]["stages"]] == ["comm", "compute"]
     # Large tokens on a profile where the all-to-alls take about as long as the experts: rewritten,
     # with the model's chunk count, each region predicted (and counted) once.
     balanced = _balanced_profile(tmp_path)
