@@ -88,17 +88,18 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
             flops.append(2 * m * n * k)
             times.append(_median(lambda: torch.mm(a, b), reps))
         points[dt] = [[f, round(t, 9)] for f, t in zip(flops, times)]
-        half_rows = 0.0
-        for _ in range(2):  # rows term <- fit without it; fit <- times without the rows term
+        def fit(half_rows):  # (rate, half_flops) of the times without the rows term
             icpt, slope = _fit(flops, [t / (1 + half_rows / m) for t, (m, _, _) in zip(times, GEMM_SIZES)])
             rate = 1 / slope if slope > 0 else max(f / t for f, t in zip(flops, times))
-            half = max(0.0, icpt * rate)
-            f_s, f_l = 2 * ms * k2 * n2, 2 * ml * k2 * n2
+            return rate, max(0.0, icpt * rate)
+
+        half_rows = 0.0
+        f_s, f_l = 2 * ms * k2 * n2, 2 * ml * k2 * n2
+        for _ in range(2):  # rows term <- fit without it; fit <- times without the rows term
+            _, half = fit(half_rows)
             r = (t_s / (f_s + half)) / (t_l / (f_l + half))
             half_rows = max(0.0, (r - 1) / (1 / ms - r / ml)) if r < ml / ms else 0.0
-        icpt, slope = _fit(flops, [t / (1 + half_rows / m) for t, (m, _, _) in zip(times, GEMM_SIZES)])
-        rate = 1 / slope if slope > 0 else max(f / t for f, t in zip(flops, times))
-        half = max(0.0, icpt * rate)
+        rate, half = fit(half_rows)
         gemm[dt] = {"peak_tflops": rate / 1e12, "eff_max": 1.0, "half_gflop": half / 1e9,
                     "half_rows": round(half_rows, 1)}
     xs, ys, ratio = [], [], []

@@ -201,12 +201,25 @@ def _attention_flops(node: Node) -> int | None:
 
 
 def _matmul_flops(node: Node) -> int | None:
+    from overlapc.errors import OverlapError
+
+    from . import cost
+
     lhs = ops.MATMULS[node.target][0]
     a, out = ops.val(node.args[lhs]), ops.val(node)
     if a is None or out is None:
         return None
-    n, k = ops.hint(out.numel()), ops.hint(a.shape[-1])
-    return None if n is None or k is None else 2 * n * k
+    try:
+        return cost.site_flops([(a, out)])
+    except OverlapError:  # a size without a number
+        return None
+
+
+def _skinnier(rows, cut, than_rows, than_cut) -> bool:
+    """Whether a GEMM of ``rows`` rows (``cut`` by the chunks or not) sets a stage's rows
+    rather than the one it has: GEMMs whose rows the chunks cut first (they pay more per
+    chunk), then the fewest rows."""
+    return rows is not None and (than_rows is None or (cut, -rows) > (than_cut, -than_rows))
 
 
 def region_stages(region: ax.Region):
@@ -246,25 +259,22 @@ def region_stages(region: ax.Region):
             level[node] = lvl + 1
             continue
         level[node] = lvl
+        out = ops.val(node)
         f = _matmul_flops(node) if node.target in ops.MATMULS else _attention_flops(node)
         if f is not None:
             acc = amount.setdefault(2 * lvl, [0, 0, None, True])
             acc[0] += f
             acc[1] += 1
-            out = ops.val(node)
             m = ops.hint(out.shape[-2]) if node.target in ops.MATMULS and out is not None else None
             cut = m is not None and st.axis is not None and st.axis.dim == out.dim() - 2
-            # The stage's skinniest GEMM whose rows the chunks cut (those pay more per chunk),
-            # else its skinniest one.
-            if m is not None and (acc[2] is None or (cut, -m) > (acc[3], -acc[2])):
+            if _skinnier(m, cut, acc[2], acc[3]):
                 acc[2], acc[3] = m, cut
-            if dtype is None and ops.val(node) is not None:
-                dtype = str(ops.val(node).dtype).replace("torch.", "")
+            if dtype is None and out is not None:
+                dtype = str(out.dtype).replace("torch.", "")
         if st.axis is None:  # a sum over the axis: one more partial per extra chunk
-            v = ops.val(node)
-            if v is None or ops.hint(v.numel()) is None:
+            if out is None or ops.hint(out.numel()) is None:
                 return None
-            add_bytes += 3 * ops.hint(v.numel()) * v.element_size()  # read two, write one
+            add_bytes += 3 * ops.hint(out.numel()) * out.element_size()  # read two, write one
     for node in region.whole:
         v = ops.val(node)
         if v is None or ops.hint(v.numel()) is None:
@@ -277,7 +287,7 @@ def region_stages(region: ax.Region):
         if stages and stages[-1].lane == lane:  # an empty stage between two of one lane: merge them
             prev = stages.pop()
             total, count = total + prev.amount, count + prev.count
-            if prev.rows is not None and (rows is None or (prev.rows_chunked, -prev.rows) > (chunked, -rows)):
+            if _skinnier(prev.rows, prev.rows_chunked, rows, chunked):
                 rows, chunked = prev.rows, prev.rows_chunked
         stages.append(cost.Stage(lane, "all_to_all" if lane == "comm" else "gemm", total, count, rows, chunked))
     return stages, copy_bytes, add_bytes, dtype or "float32"

@@ -291,6 +291,11 @@ def t_stages(stages: list[Stage], world: int, gemm: Gemm, p: Profile, n: int, co
     return out, end + tail
 
 
+def whole_times(stages: list[Stage], world: int, gemm: Gemm, p: Profile) -> list[float]:
+    """Each stage's time unchunked (the baseline runs them one after another)."""
+    return [float(stage_times(st, [1], world, gemm, p)[0]) for st in stages]
+
+
 def site_stages(pattern: str, nbytes, flops, count: int = 1, rows=None) -> list[Stage]:
     """AllGather -> mm, mm -> ReduceScatter, mm -> AllReduce: the two stages (the chunks cut
     the GEMMs' rows)."""
@@ -361,8 +366,9 @@ def predict_stages(stages: list[Stage], world: int, dtype: str, p: Profile, exte
     """Baseline (the stages one after another) and the best n-chunk pipeline, n = 2 .. 8
     (at most one chunk per row of ``extent``)."""
     gemm = p.gemm_for(dtype)
-    c = sum(float(stage_times(st, [1], world, gemm, p)[0]) for st in stages if st.lane == "comm")
-    g = sum(float(stage_times(st, [1], world, gemm, p)[0]) for st in stages if st.lane == "compute")
+    whole = whole_times(stages, world, gemm, p)
+    c = sum(t for st, t in zip(stages, whole) if st.lane == "comm")
+    g = sum(t for st, t in zip(stages, whole) if st.lane == "compute")
     base = c + g
     per = {n: float(t_stages(stages, world, gemm, p, n, copy_bytes, extent, add_bytes))
            for n in range(2, min(8, extent) + 1)}
@@ -407,16 +413,14 @@ def site_events(pred: dict, world: int, p: Profile, strategy: str | None, chunks
     predicted time."""
     stages = [Stage(**d) for d in pred["stages"]]
     gemm = p.gemm_for(pred["dtype"])
+    whole = whole_times(stages, world, gemm, p)
     base, t = [], 0.0
-    for st in stages:
-        d = float(stage_times(st, [1], world, gemm, p)[0])
+    for st, d in zip(stages, whole):
         base.append((st.lane, st.kind, t, d))
         t += d
     if strategy == "fuse" and len(stages) == 2:
-        c, g = (float(stage_times(st, [1], world, gemm, p)[0]) for st in
-                sorted(stages, key=lambda st: st.lane != "comm"))
+        (kind, c), (_, g) = sorted(((st.kind, d) for st, d in zip(stages, whole)), key=lambda x: x[0] == "gemm")
         f = float(t_fused(c, g, p))
-        kind = next(st.kind for st in stages if st.lane == "comm")
         return base, [("compute", "fused gemm", 0.0, f), ("comm", f"{kind} (fused)", 0.0, min(c, f))]
     if strategy != "decompose" or not chunks:
         return base, base
