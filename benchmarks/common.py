@@ -19,6 +19,7 @@ import json
 import operator
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -101,11 +102,12 @@ def collective_calls(report, graphs=("forward", "backward", "inference")) -> lis
     return out
 
 
-def replay_comm(calls: list[dict]) -> float:
+def replay_comm(calls: list[dict], barrier: bool = True) -> float:
     """Run the collectives one after another, each waited on; seconds."""
     c10d = torch.ops._c10d_functional
     tensors = [torch.ones(c["shape"], dtype=getattr(torch, c["dtype"])) for c in calls]
-    dist.barrier()
+    if barrier:
+        dist.barrier()
     t0 = time.perf_counter()
     for c, x in zip(calls, tensors):
         if c["op"] == "all_gather_into_tensor":
@@ -121,6 +123,57 @@ def replay_comm(calls: list[dict]) -> float:
             continue
         c10d.wait_tensor(y)
     return time.perf_counter() - t0
+
+
+def loaded_times(step, calls: list[dict], group, rounds: int) -> tuple[float, float]:
+    """Compute and communication run at once, each as if alone: (T_compute|comm, T_comm|compute).
+
+    A side thread replays the step's collectives ``rounds`` times on ``group`` (a second
+    process group, so its collectives never interleave with the main thread's); meanwhile
+    the main thread runs the compute-only ``step`` (no collectives: ranks may run different
+    counts). Kept: compute steps that ended while the replay still ran, and replay rounds
+    (all of them run under compute: the main thread stops only when they are done). Medians,
+    the slowest rank's. On this machine the two compete for the same cores (gloo's threads
+    copy, reduce and push bytes through the kernel's TCP stack), so overlapping them buys less
+    than min(T_compute, T_comm) here.
+    """
+    import threading
+
+    calls = [{**c, "group": group.group_name} for c in calls]
+    replay_comm(calls)  # warm the second group's connections
+    comm: list[float] = []
+    done = threading.Event()
+    ended = [0.0]
+
+    def side():
+        try:
+            for _ in range(rounds):
+                comm.append(replay_comm(calls, barrier=False))
+        finally:
+            ended[0] = time.perf_counter()
+            done.set()
+
+    comp: list[tuple[float, float]] = []
+    # The side thread needs the GIL after every collective; at the default 5 ms switch
+    # interval it would wait on the main thread's Python between ops (overlapc's own waits
+    # are issued by the main thread, between its ops, so they do not pay this).
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        dist.barrier()
+        thread = threading.Thread(target=side, daemon=True)
+        thread.start()
+        while not done.is_set():
+            t0 = time.perf_counter()
+            step()
+            comp.append((time.perf_counter() - t0, time.perf_counter()))
+        thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    kept = [dt for dt, end in comp if end <= ended[0]]
+    out = torch.tensor([statistics.median(kept) if kept else float("nan"), statistics.median(comm)])
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out[0].item(), out[1].item()
 
 
 # ---------------------------------------------------------------------- timing
@@ -145,7 +198,7 @@ def interleaved(steps: dict, iters: int) -> dict[str, list[float]]:
     return out
 
 
-def summary(times: dict[str, list[float]], t_comm: list[float]) -> dict:
+def summary(times: dict[str, list[float]], t_comm: list[float], loaded: tuple[float, float]) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     tc = statistics.median(t_comm)
     base, ovl, comp = med["base"], med["overlapc"], med["compute"]
@@ -154,6 +207,7 @@ def summary(times: dict[str, list[float]], t_comm: list[float]) -> dict:
         "speedup": base / ovl,
         "efficiency": (base - ovl) / min(comp, tc),
         "ideal_speedup": base / max(comp, tc),
+        "t_compute_loaded": loaded[0], "t_comm_loaded": loaded[1],
         "spread": {k: [min(v), max(v)] for k, v in times.items()},
     }
 
