@@ -95,6 +95,8 @@ class Profile:
     comm_threads: int | None = None  # collectives a group runs at once (gloo: its 2 worker threads);
                                      # None: 2 where concurrent_reductions, else 1
     fused_efficiency: float | None = None  # fused kernels' GEMM rate relative to plain GEMMs; None: no fused kernels
+    curves: dict = field(default_factory=dict)  # collective kind -> ((input bytes per rank, s), ...):
+                                                # measured whole-collective times, used instead of alpha-beta
 
     def gemm_for(self, dtype: str) -> Gemm:
         return self.gemm.get(dtype) or self.gemm.get("float32") or next(iter(self.gemm.values()))
@@ -112,10 +114,21 @@ def profile_from_dict(d: dict, path: str | None = None) -> Profile:
                        overlap_loss=float(d.get("overlap_loss", 0.0)),
                        concurrent_reductions=bool(d.get("concurrent_reductions", False)),
                        comm_threads=d.get("comm_threads"),
-                       fused_efficiency=d.get("fused_efficiency"))
+                       fused_efficiency=d.get("fused_efficiency"),
+                       curves={k: _monotone(v) for k, v in (d.get("curves") or {}).items() if v})
     except (KeyError, TypeError, ValueError) as e:
         raise OverlapError(f"hardware profile {path or d.get('name')!r} is malformed: {type(e).__name__}: {e}; "
                            f"see {PROFILE_DIR / 'h100-nvlink.json'} for the format") from e
+
+
+def _monotone(points) -> tuple:
+    """Measured (bytes, s) points sorted by bytes, times made non-decreasing (timing noise
+    must not make a chunk cheaper than a smaller one)."""
+    out, t_max = [], 0.0
+    for b, t in sorted((float(b), float(t)) for b, t in points):
+        t_max = max(t_max, t)
+        out.append((b, t_max))
+    return tuple(out)
 
 
 def load_profile(name_or_path: str | None = None) -> Profile:
@@ -180,6 +193,8 @@ def t_comm(kind: str, nbytes, world: int, p: Profile):
     if W <= 1:
         return sympy.Integer(0)
     step = (W - 1) * a
+    if kind in p.curves and B.is_number:
+        return sympy.Float(_on_curve(p.curves[kind], float(B), float(step)))
     if kind == "all_gather":
         return step + (W - 1) * B / b
     frac = sympy.Rational(W - 1, W) * B / b
@@ -190,6 +205,16 @@ def t_comm(kind: str, nbytes, world: int, p: Profile):
     if kind == "all_to_all":
         return step + frac
     raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def _on_curve(points, nbytes: float, latency: float) -> float:
+    """Piecewise-linear time of a collective of ``nbytes`` through measured (bytes, s)
+    points, from (0, latency); past the largest point, on the slope of the last segment."""
+    pts = [(0.0, min(latency, points[0][1])), *points]
+    for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
+        if nbytes <= b1 or (b1, t1) == pts[-1]:
+            return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0) if b1 > b0 else t1
+    return pts[-1][1]
 
 
 @dataclass(frozen=True)

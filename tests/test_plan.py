@@ -47,6 +47,25 @@ def test_collective_formulas():
     assert float(cost.t_gemm(g.half_flops, g)) == pytest.approx(2 * g.half_flops / (g.peak_flops * g.eff_max))
 
 
+def test_measured_curves_replace_alpha_beta_where_sizes_are_numbers():
+    d = json.loads((cost.PROFILE_DIR / "cpu-default.json").read_text())
+    ab = cost.profile_from_dict(d)
+    # A link that slows per byte for big messages (TCP over a shaped veth does), noisy at the
+    # small end: 1 MiB in 10 ms, 4 MiB in 60 ms (not 40), 8 KiB measured slower than 64 KiB.
+    d["curves"] = {"all_to_all": [[4 << 20, 0.060], [8 << 10, 0.002], [64 << 10, 0.001], [1 << 20, 0.010]]}
+    p = cost.profile_from_dict(d)
+    assert [t for _, t in p.curves["all_to_all"]] == [0.002, 0.002, 0.010, 0.060]  # sorted, non-decreasing
+    assert float(cost.t_comm("all_to_all", 1 << 20, 2, p)) == pytest.approx(0.010)
+    assert float(cost.t_comm("all_to_all", 2.5 * (1 << 20), 2, p)) == pytest.approx(0.035)  # between points
+    assert float(cost.t_comm("all_to_all", 8 << 20, 2, p)) == pytest.approx(0.060 + 4 * 0.050 / 3)  # last slope
+    # Four chunks of 1 MiB beat the whole 4 MiB here: the curve lets the model see it.
+    assert 4 * float(cost.t_comm("all_to_all", 1 << 20, 2, p)) < float(cost.t_comm("all_to_all", 4 << 20, 2, p))
+    # Kinds without a curve, and symbolic sizes, keep the alpha-beta formula.
+    assert cost.t_comm("all_gather", 1 << 20, 2, p) == cost.t_comm("all_gather", 1 << 20, 2, ab)
+    s = sympy.Symbol("s", positive=True, integer=True)
+    assert cost.t_comm("all_to_all", s * 1024, 2, p) == cost.t_comm("all_to_all", s * 1024, 2, ab)
+
+
 def test_symbolic_shapes_give_expressions_that_agree_with_numbers():
     p = cost.load_profile("h100-nvlink")
     g = p.gemm["bfloat16"]
@@ -192,6 +211,7 @@ def test_calibrate_gives_every_rank_rank0s_numbers(world2, tmp_path):
     p = profs[0]
     assert p["link"]["beta_gbps"] > 0 and p["link"]["alpha_us"] > 0 and p["copy_gbps"] > 0
     assert p["gemm"]["float32"]["peak_tflops"] > 0
+    assert {k: len(v) for k, v in p["curves"].items()} == {"all_gather": 5, "reduce_scatter": 5, "all_to_all": 5}
     f = tmp_path / "local.json"
     f.write_text(json.dumps(p))
     assert cost.load_profile(str(f)).name == "cpu-local"
