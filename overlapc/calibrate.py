@@ -102,12 +102,15 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
         rate, half = fit(half_rows)
         gemm[dt] = {"peak_tflops": rate / 1e12, "eff_max": 1.0, "half_gflop": half / 1e9,
                     "half_rows": round(half_rows, 1)}
-    # Each collective at every size, whole: the model reads these curves (bytes of one rank's
-    # input -> time) where it has numbers. A link's rate per byte need not be constant: over
-    # TCP on a shaped veth a 16 MiB all-to-all runs at 52-66% of the rate that 2 MiB ones
-    # reach, so chunks can be faster per byte than the whole (measured 2026-12-04).
+    # All-gathers and all-to-alls at every size, whole: the model reads these curves (bytes of
+    # one rank's input -> time) where it has numbers. A link's rate per byte need not be
+    # constant: over TCP on a shaped veth a 16 MiB all-to-all runs at 52-66% of the rate
+    # that 2 MiB ones reach, so chunks can be faster per byte than the whole (measured
+    # 2026-12-04). Reduce-scatters keep alpha-beta times rs_factor: priced by their own curve,
+    # chunked ones (issued at once, two at a time on gloo's threads) came out up to 58% too
+    # cheap on bench_plan's timings (alpha-beta: at most 16%).
     xs, ys, ratio = [], [], []
-    curves = {"all_gather": [], "reduce_scatter": [], "all_to_all": []}
+    curves = {"all_gather": [], "all_to_all": []}
     for nbytes in COMM_BYTES:
         x = torch.empty(nbytes // 4, dtype=torch.float32)
         out = torch.empty(world * x.numel(), dtype=torch.float32)
@@ -115,12 +118,11 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
         t = _comm_time(lambda: dist.all_gather_into_tensor(out, x, group=group), group, reps)
         xs.append((world - 1) * nbytes)
         ys.append(t)
-        t_rs = _comm_time(lambda: dist.reduce_scatter_tensor(x, out, group=group), group, reps)
         t_a2a = _comm_time(lambda: dist.all_to_all_single(out2, out, group=group), group, reps)
         curves["all_gather"].append([nbytes, round(t, 9)])
-        curves["reduce_scatter"].append([world * nbytes, round(t_rs, 9)])
         curves["all_to_all"].append([world * nbytes, round(t_a2a, 9)])
         if nbytes in COMM_BYTES[-2:]:  # the reduce-scatter factor is taken from the largest two
+            t_rs = _comm_time(lambda: dist.reduce_scatter_tensor(x, out, group=group), group, reps)
             ratio.append((t_rs, world * nbytes))
     # Bandwidth from the large transfers (a least-squares intercept over all sizes would be
     # dominated by the large ones and is often negative: latency is measured on its own).
@@ -167,7 +169,8 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
         "source": (f"measured by overlapc calibrate on {time.strftime('%Y-%m-%d %H:%M')} UTC, world {world}, "
                    f"backend {dist.get_backend(group)}, {torch.get_num_threads()} torch thread(s): "
                    f"mm of {GEMM_SIZES}; all_gather_into_tensor of {COMM_BYTES} B per rank, "
-                   f"reduce_scatter_tensor and all_to_all_single of {world} times those"),
+                   f"all_to_all_single of {world} times those, reduce_scatter_tensor of {world} times "
+                   f"{COMM_BYTES[-2:]} B"),
         "gemm": gemm,
         "link": {"alpha_us": alpha * 1e6, "beta_gbps": beta / 1e9},
         "chunk_overhead_us": overhead * 1e6,

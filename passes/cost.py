@@ -19,6 +19,12 @@ collective's input on one rank::
     all_reduce      2 * ((W-1) * alpha + (W-1)/W * B / beta)
     all_to_all      (W-1) * alpha + (W-1)/W * B / beta
 
+or, where the profile has a measured curve for the collective (``curves``: bytes of one
+rank's input -> seconds, written by ``overlapc calibrate`` for all-gather and all-to-all)
+and ``B`` is a number, the time interpolated on that curve: a link's rate per byte need not
+be constant (over TCP on a shaped veth a 16 MiB all-to-all runs at 52-66% of the rate of
+2 MiB ones, so chunks are cheaper per byte than the whole).
+
 A site is a sequence of stages (:class:`Stage`): AG -> GEMM is [all_gather, gemm], GEMM ->
 RS/AR [gemm, reduce_scatter], an all-to-all region e.g. [all_to_all, gemm, all_to_all].
 Cut into ``n`` chunks, chunk i of stage s waits for chunk i of stage s - 1, and each lane
