@@ -392,17 +392,18 @@ def predict(pattern: str, nbytes: int, flops: int, world: int, dtype: str, p: Pr
                           copy_bytes)
 
 
-def predict_stages(stages: list[Stage], world: int, dtype: str, p: Profile, extent: int, copy_bytes: int = 0,
+def predict_stages(stages: list[Stage], world: int, dtype: str, p: Profile, extent: int | None, copy_bytes: int = 0,
                    add_bytes: int = 0) -> Prediction:
     """Baseline (the stages one after another) and the best n-chunk pipeline, n = 2 .. 8
-    (at most one chunk per row of ``extent``)."""
+    (at most one chunk per row of ``extent``; None: rows counted at run time, chunks weighted
+    1, 2, .., 2, 1 as the dropless op cuts them)."""
     gemm = p.gemm_for(dtype)
     whole = whole_times(stages, world, gemm, p)
     c = sum(t for st, t in zip(stages, whole) if st.lane == "comm")
     g = sum(t for st, t in zip(stages, whole) if st.lane == "compute")
     base = c + g
     per = {n: float(t_stages(stages, world, gemm, p, n, copy_bytes, extent, add_bytes))
-           for n in range(2, min(8, extent) + 1)}
+           for n in range(2, (8 if extent is None else min(8, extent)) + 1)}
     best_n = min(per, key=lambda n: (per[n], n)) if per else None
     best, strategy, chunks = (per[best_n], "decompose", best_n) if per else (base, "skip", None)
     flops = sum(st.amount for st in stages if st.lane == "compute")

@@ -243,6 +243,58 @@ def _input_roles(n: Node, kinds: dict):
             yield a, ("row" if va.dim() == out.dim() and _same_dim0(a, n) and not one else "const")
 
 
+def pipeline_stages(p: Pipeline):
+    """The cost model's view of a dropless pipeline: ([dispatch all-to-all, the body's GEMMs,
+    combine all-to-all], bytes the run-time op copies), priced as if routing were balanced
+    (every rank receives as many rows as it sends: the split sizes exist only at run time);
+    None where a size is not a number.
+
+    GEMMs: each matmul of the body over the received rows R (``mm``; ``_grouped_mm``: one
+    call whose groups have R / groups rows each, the rows term's M), the weight gradients
+    (``mm(t(a), b)``) too.
+    Copies: the send buffer cut into per-chunk blocks, the combined rows put back in place,
+    and each row input and row output gathered or assembled by chunk."""
+    from .cost import Stage
+
+    def size(v, dims):
+        out = 1
+        for d in dims:
+            h = ops.hint(d) if isinstance(d, torch.SymInt) else d
+            if h is None:
+                raise NotPipelined("size")
+            out *= h
+        return out
+
+    xs, back = ops.val(p.dispatch.args[0]), ops.val(p.combine.args[0])
+    if xs is None or back is None or xs.dim() == 0:
+        return None
+    try:
+        rows = size(xs, xs.shape[:1])
+        sent = rows * size(xs, xs.shape[1:]) * xs.element_size()
+        returned = rows * size(back, back.shape[1:]) * back.element_size()
+        flops, calls, per_call_rows = 0, 0, rows
+        for n in p.nodes:
+            if n.target is not aten.mm.default and n.target is not GROUPED_MM:
+                continue
+            a, b, out = ops.val(n.args[0]), ops.val(n.args[1]), ops.val(n)
+            groups = size(b, b.shape[:1]) if n.target is GROUPED_MM and p.kinds[n] == "row" else (
+                size(out, out.shape[:1]) if n.target is GROUPED_MM else 1)
+            k = size(a, a.shape[-1:]) if p.kinds[n] == "row" else size(a, a.shape[-2:-1])
+            flops += 2 * rows * k * size(b, b.shape[-1:])
+            calls += 1  # a grouped matmul is one kernel: its groups' tiles share the launch
+            per_call_rows = min(per_call_rows, max(1, rows // groups))
+        copied = sent + returned
+        for n in [*p.row_inputs, *p.row_outputs]:
+            v = ops.val(n)
+            copied += rows * size(v, v.shape[1:]) * v.element_size()
+    except NotPipelined:
+        return None
+    stages = [Stage("comm", "all_to_all", sent),
+              Stage("compute", "gemm", flops, max(calls, 1), per_call_rows),
+              Stage("comm", "all_to_all", returned)]
+    return stages, copied
+
+
 def can_pipeline(site, deps: DepGraph) -> str | None:
     """None (and ``site.pipeline`` set) if the site's all-to-all pair can be pipelined, else why not."""
     try:

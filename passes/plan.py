@@ -22,8 +22,12 @@ how many all-to-alls lie before them (passes/all_to_all.region_stages), and the 
 pipeline of those stages (passes/cost.flow) is compared with the stages run one after
 another, with the copies the rewrite adds (tensors read whole reassembled, partial sums).
 A site whose all-to-all is part of an earlier site's region is predicted (and counted)
-there. Dropless regions (split sizes known only at run time) keep a rule: rewritten when
-their all-to-all moves at least ``AUTO_MIN_BYTES`` per rank, chunks min(4, extent).
+there. A dropless pipeline (split sizes known only at run time: passes/dropless.py) is
+predicted as [dispatch, the body's GEMMs, combine] at balanced routing (each rank receives
+as many rows as it sends) when the rows it sends are a number (the forward); its other
+all-to-all follows that decision. Where even those are run-time sizes (the backward, whose
+sends are sums of the forward's splits) a rule remains: rewritten when the all-to-all moves
+at least ``AUTO_MIN_BYTES`` per rank, chunks min(4, extent).
 
 ``strategy="fuse"`` replaces AllGather -> mm and mm -> ReduceScatter sites by the fused
 Triton ops (passes/fuse.py) where the group has symmetric memory, and says why elsewhere.
@@ -35,7 +39,7 @@ from __future__ import annotations
 from overlapc.errors import OverlapError
 from overlapc.options import Options
 
-from . import all_to_all, cost, fuse, lower, ops
+from . import all_to_all, cost, dropless, fuse, lower, ops
 from .deps import DepGraph
 from .sites import MatchedSite
 
@@ -43,6 +47,8 @@ MAX_AUTO_CHUNKS = 4
 MIN_ROWS_PER_CHUNK = 32
 AUTO_MIN_BYTES = 1 << 20
 CHUNK_TIE = 0.01
+PLANNED_BY = "overlapc_pipeline_planned_by"
+"""node.meta key on a dropless dispatch: the site of the pair that was planned first (the other follows it)."""
 """Counts whose summed prediction is within this of the best are ties (the fewest wins).
 On the stop-11 bench_plan run (24 configurations, judged on the sweep's times) the rule
 picked a count within 5% of the best fixed one in 17 cases with no tie band, 18 with 1%,
@@ -106,6 +112,17 @@ def predict_region(site, profile: cost.Profile, left_out=frozenset()) -> cost.Pr
     return cost.predict_stages(stages, site.world, dtype, profile, region.axis.extent, copy_bytes, add_bytes)
 
 
+def predict_pipeline(site, profile: cost.Profile) -> cost.Prediction | None:
+    """The cost model's view of a dropless site's pipeline (passes/dropless.pipeline_stages),
+    at balanced routing: the split sizes exist only at run time."""
+    got = dropless.pipeline_stages(site.pipeline)
+    if got is None or not site.world:
+        return None
+    stages, copy_bytes = got
+    dtype = str(ops.val(site.pipeline.dispatch.args[0]).dtype).removeprefix("torch.")
+    return cost.predict_stages(stages, site.world, dtype, profile, None, copy_bytes)
+
+
 def _nbytes(v) -> int:
     n = ops.hint(v.numel()) if v is not None else None
     return 0 if n is None else n * v.element_size()
@@ -113,6 +130,8 @@ def _nbytes(v) -> int:
 
 def plan_sites(sites: list[MatchedSite], options: Options, deps: DepGraph) -> None:
     profile = cost.load_profile(options.hardware) if sites else None
+    for s in sites:  # planned afresh (a graph may be planned more than once)
+        s.coll.meta.pop(PLANNED_BY, None)
     _plan_each(sites, options, deps, profile)
     _agree_on_chunks(sites, options, profile)
     for s in sites:
@@ -202,6 +221,17 @@ def _plan_each(sites: list[MatchedSite], options: Options, deps: DepGraph, profi
                     site.reason = f"in the region of {reacher.name}: {reacher.reason}"
                 continue
             pred = predict_region(site, profile, left_out)
+        elif isinstance(site, all_to_all.A2A_SITES) and site.pipeline is not None:
+            first = site.pipeline.dispatch.meta.setdefault(PLANNED_BY, site)
+            if first is not site:
+                # The other all-to-all of a pipeline planned already: one op runs both.
+                site.details["modelled_with"] = first.name
+                if first.status == "planned":
+                    site.strategy, site.chunks, site.status = first.strategy, first.chunks, "planned"
+                else:
+                    site.reason = f"in the pipeline of {first.name}: {first.reason}"
+                continue
+            pred = predict_pipeline(site, profile)
         else:
             pred = None
         if pred is not None:
@@ -235,6 +265,11 @@ def _where(site: MatchedSite) -> str:
     if region is not None:
         return (f"a region of {len(region.collectives)} all-to-alls and {len(region.matmuls)} GEMMs chunked along "
                 f"{region.axis.extent} slabs, {site.comm_bytes()} B per rank")
+    pipeline = getattr(site, "pipeline", None)
+    if pipeline is not None:
+        rows = ops.hint(ops.val(pipeline.dispatch.args[0]).shape[0])
+        return (f"a dropless pipeline of {sum(1 for n in pipeline.nodes if n.target in (ops.aten.mm.default, dropless.GROUPED_MM))} "
+                f"GEMMs, {rows} rows sent per rank (priced at balanced routing), {site.comm_bytes()} B per rank")
     mm = site.matmuls[0] if site.matmuls else None
     v = ops.val(mm) if mm is not None else None
     if v is not None and v.dim() >= 2:

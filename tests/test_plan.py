@@ -7,6 +7,7 @@ import json
 
 import pytest
 import sympy
+import torch
 
 import overlapc
 from overlapc import OverlapError
@@ -272,3 +273,54 @@ def test_ulysses_region_has_projection_attention_and_output_stages(fake_mesh8, t
     assert [st["lane"] for st in fwd["stages"]] == ["compute", "comm", "compute", "comm", "compute"]
     q_k_v, attn = fwd["stages"][1], fwd["stages"][2]
     assert q_k_v["count"] == 3 and attn["amount"] == 4 * 8192 * 8192 * 2048 // 8 // 2  # q, k, v; causal attention
+
+
+def _dropless_sites(mesh, profile, **kw):
+    """The all-to-all sites of a dropless MoE training step, compiled for real (fake process
+    group): its split sizes come from .tolist(), which explain()'s fake tensors cannot give."""
+    from overlapc import Backend, Options
+    from overlapc.models import moe
+
+    cfg = dict(tokens=64, dim=64, hidden=128, n_experts=8, top_k=2, form="dropless", expert_form="grouped",
+               dtype="bfloat16")
+    cfg.update(kw)
+    model, inputs = moe.build_ep(mesh, **cfg)
+    be = Backend(Options(hardware=profile))
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        torch.compile(model, backend=be)(*inputs).float().sum().backward()
+    return cfg, [s for s in be.report.sites if s.pattern in ("all_to_all_matmul", "matmul_all_to_all")]
+
+
+def test_dropless_pipelines_are_priced_at_balanced_routing(fake_mesh8, tmp_path):
+    # Tokens and widths where, under this profile (GEMMs at full rate at any size), the
+    # all-to-alls take about as long as the experts.
+    prof = json.loads(open(_balanced_profile(tmp_path)).read())
+    prof["gemm"]["bfloat16"]["half_gflop"] = 0.0
+    (tmp_path / "flat.json").write_text(json.dumps(prof))
+    cfg, sites = _dropless_sites(fake_mesh8, str(tmp_path / "flat.json"), tokens=4096, dim=256, hidden=256)
+    fwd = [s for s in sites if s.graph == "forward"]
+    assert len(fwd) == 2 and len(sites) == 4, [s.name for s in sites]
+    owner, follower = fwd
+    pred = owner.details["predicted"]
+    rows = cfg["tokens"] * cfg["top_k"]  # sent per rank, and received at balanced routing
+    assert [(st["lane"], st["kind"]) for st in pred["stages"]] == [
+        ("comm", "all_to_all"), ("compute", "gemm"), ("comm", "all_to_all")]
+    assert pred["stages"][0]["amount"] == pred["stages"][2]["amount"] == rows * cfg["dim"] * 2  # bf16
+    # w1, w3: (rows, dim) x (dim, hidden); w2: (rows, hidden) x (hidden, dim); one call each.
+    assert pred["stages"][1]["amount"] == 3 * 2 * rows * cfg["dim"] * cfg["hidden"]
+    assert pred["stages"][1]["count"] == 3 and pred["stages"][1]["rows"] == rows // cfg["n_experts"]
+    assert pred["extent"] is None and set(pred["by_chunks_ms"]) == {str(n) for n in range(2, 9)}
+    # The combine follows the dispatch (one op runs both), with its decision.
+    assert follower.details["modelled_with"] == owner.name
+    assert (owner.status, owner.chunks, follower.status, follower.chunks) == ("rewritten", pred["chunks"]) * 2, owner.reason
+    # The backward sends sums of the forward's run-time splits: no number to price, the rule.
+    for s in sites:
+        if s.graph == "backward":
+            assert "predicted" not in s.details and s.status == "rewritten" and s.chunks == 4
+    # Tiny pipeline on H100 NVLink: latency outweighs what there is to hide; the pair is skipped.
+    _, sites = _dropless_sites(fake_mesh8, "h100-nvlink")
+    owner, follower = [s for s in sites if s.graph == "forward"]
+    assert owner.status == "skipped" and owner.reason.startswith("predicted gain"), owner.reason
+    assert "a dropless pipeline of 3 GEMMs, 128 rows sent per rank" in owner.reason
+    assert follower.status == "skipped" and follower.reason.startswith(f"in the pipeline of {owner.name}: ")
