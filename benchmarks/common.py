@@ -133,15 +133,22 @@ def loaded_times(step, calls: list[dict], group, rounds: int) -> tuple[float, fl
     the main thread runs the compute-only ``step`` (no collectives: ranks may run different
     counts). Kept: compute steps that ended while the replay still ran, and replay rounds
     (all of them run under compute: the main thread stops only when they are done). Medians,
-    the slowest rank's. On this machine the two compete for the same cores (gloo's threads
-    copy, reduce and push bytes through the kernel's TCP stack), so overlapping them buys less
-    than min(T_compute, T_comm) here.
+    the slowest rank's; ``rounds`` must be the same on every rank. On this machine the two
+    compete for the same cores (gloo's threads copy, reduce and push bytes through the
+    kernel's TCP stack), so overlapping them buys less than min(T_compute, T_comm) here.
+    The GIL switch interval is lowered while both run (the side thread would otherwise wait
+    up to 5 ms for the main thread's Python after each collective), which also costs the
+    main thread's Python a little: part of T_compute|comm.
     """
     import threading
 
+    for c in calls:
+        if c["world"] != group.size():
+            raise ValueError(f"replaying a {c['op']} of a group of {c['world']} ranks on a group of {group.size()}")
     calls = [{**c, "group": group.group_name} for c in calls]
     replay_comm(calls)  # warm the second group's connections
     comm: list[float] = []
+    failed: list[BaseException] = []
     done = threading.Event()
     ended = [0.0]
 
@@ -149,14 +156,13 @@ def loaded_times(step, calls: list[dict], group, rounds: int) -> tuple[float, fl
         try:
             for _ in range(rounds):
                 comm.append(replay_comm(calls, barrier=False))
+        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread, after the peers hear of it
+            failed.append(e)
         finally:
             ended[0] = time.perf_counter()
             done.set()
 
     comp: list[tuple[float, float]] = []
-    # The side thread needs the GIL after every collective; at the default 5 ms switch
-    # interval it would wait on the main thread's Python between ops (overlapc's own waits
-    # are issued by the main thread, between its ops, so they do not pay this).
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)
     try:
@@ -171,9 +177,19 @@ def loaded_times(step, calls: list[dict], group, rounds: int) -> tuple[float, fl
     finally:
         sys.setswitchinterval(interval)
     kept = [dt for dt, end in comp if end <= ended[0]]
-    out = torch.tensor([statistics.median(kept) if kept else float("nan"), statistics.median(comm)])
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return out[0].item(), out[1].item()
+    mine = statistics.median(kept) if kept else -1.0  # -1: none (no NaN through gloo's MAX)
+    hi = torch.tensor([mine, statistics.median(comm) if comm else -1.0, float(bool(failed))])
+    lo = torch.tensor([mine])
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)  # every rank takes part before any raises
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    if failed:
+        raise failed[0]
+    if hi[2] > 0:
+        raise RuntimeError("the collective replay under compute failed on another rank")
+    if lo.item() < 0:
+        raise RuntimeError(f"no compute step ended within the {rounds} replay rounds on some rank: "
+                           "give it more rounds")
+    return hi[0].item(), hi[1].item()
 
 
 # ---------------------------------------------------------------------- timing

@@ -8,7 +8,9 @@ benchmarks/common.py for the definitions of T_base, T_overlapc, T_compute, T_com
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
+import math
 import os
 import statistics
 import sys
@@ -103,8 +105,11 @@ def bench_job(cfg: dict) -> dict:
     times = common.interleaved(steps, cfg["iters"])
     comm = [common.replay_comm(calls) for _ in range(cfg["iters"])]
     # Both at once, each timed as if alone: how much each slows the other on these cores.
-    loaded = common.loaded_times(steps["compute"], calls, dist.new_group(backend="gloo"),
-                                 rounds=max(3, cfg["iters"] // 2))
+    # Rounds enough for ~3 compute steps under them; the medians are the same on every rank.
+    t_comp, t_comm = statistics.median(times["compute"]), statistics.median(comm)
+    # Its own group, with a timeout: a rank whose replay fails leaves the others' waiting.
+    side = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=10))
+    loaded = common.loaded_times(steps["compute"], calls, side, rounds=max(3, math.ceil(3 * t_comp / t_comm)))
     result = common.summary(times, comm, loaded)
     result["times"] = times
     result["n_collectives"] = len(calls)

@@ -32,6 +32,7 @@ GEMM_SIZES = [(128, 256, 256), (256, 512, 512), (512, 1024, 1024), (1024, 1024, 
 SKINNY = (128, 1024, 1024, 2048)
 """(M skinny, M wide, K, N): one weight, few and many rows (the rows term of the GEMM curve)."""
 COMM_BYTES = [1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 22]
+STREAM_BYTES = 8 << 20  # a curve point's back-to-back run moves at least this much (gathered / sent)
 
 
 def _median(fn, reps: int) -> float:
@@ -102,13 +103,16 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
         rate, half = fit(half_rows)
         gemm[dt] = {"peak_tflops": rate / 1e12, "eff_max": 1.0, "half_gflop": half / 1e9,
                     "half_rows": round(half_rows, 1)}
-    # All-gathers and all-to-alls at every size, whole: the model reads these curves (bytes of
-    # one rank's input -> time) where it has numbers. A link's rate per byte need not be
+    # All-gathers and all-to-alls at every size: the model reads these curves (bytes of one
+    # rank's input -> time) where it has numbers. A link's rate per byte need not be
     # constant: over TCP on a shaped veth a 16 MiB all-to-all runs at 52-66% of the rate
     # that 2 MiB ones reach, so chunks can be faster per byte than the whole (measured
-    # 2026-12-04). Reduce-scatters keep alpha-beta times rs_factor: priced by their own curve,
-    # chunked ones (issued at once, two at a time on gloo's threads) came out up to 58% too
-    # cheap on bench_plan's timings (alpha-beta: at most 16%).
+    # 2026-12-04). Each point is the time per message of a back-to-back run of at least
+    # STREAM_BYTES (a lone small message rides a token-bucket shaper's burst and looks faster
+    # than the link, which a pipeline's chunks, sent one after another, are not).
+    # Reduce-scatters keep alpha-beta times rs_factor: priced by their own curve, chunked
+    # ones (issued at once, two at a time on gloo's threads) came out up to 58% too cheap on
+    # bench_plan's timings (alpha-beta: at most 16%).
     xs, ys, ratio = [], [], []
     curves = {"all_gather": [], "all_to_all": []}
     for nbytes in COMM_BYTES:
@@ -118,9 +122,15 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
         t = _comm_time(lambda: dist.all_gather_into_tensor(out, x, group=group), group, reps)
         xs.append((world - 1) * nbytes)
         ys.append(t)
-        t_a2a = _comm_time(lambda: dist.all_to_all_single(out2, out, group=group), group, reps)
-        curves["all_gather"].append([nbytes, round(t, 9)])
-        curves["all_to_all"].append([world * nbytes, round(t_a2a, 9)])
+        k = min(32, max(1, -(-STREAM_BYTES // (world * nbytes))))  # tiny ones: latency, not the burst
+
+        def stream(op):
+            for _ in range(k):
+                op()
+        t_ag = _comm_time(lambda: stream(lambda: dist.all_gather_into_tensor(out, x, group=group)), group, reps)
+        t_a2a = _comm_time(lambda: stream(lambda: dist.all_to_all_single(out2, out, group=group)), group, reps)
+        curves["all_gather"].append([nbytes, round(t_ag / k, 9)])
+        curves["all_to_all"].append([world * nbytes, round(t_a2a / k, 9)])
         if nbytes in COMM_BYTES[-2:]:  # the reduce-scatter factor is taken from the largest two
             t_rs = _comm_time(lambda: dist.reduce_scatter_tensor(x, out, group=group), group, reps)
             ratio.append((t_rs, world * nbytes))
@@ -182,6 +192,7 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
         "rs_factor": round(sum(rs) / len(rs), 2),
         "fused_efficiency": None,
         "curves": curves,
+        "curves_world": world,
         "measured": {"mm_flops_s": points, "all_gather_bytes_s": [[x, round(y, 9)] for x, y in zip(xs, ys)]},
     }
     obj = [prof]

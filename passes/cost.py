@@ -20,8 +20,9 @@ collective's input on one rank::
     all_to_all      (W-1) * alpha + (W-1)/W * B / beta
 
 or, where the profile has a measured curve for the collective (``curves``: bytes of one
-rank's input -> seconds, written by ``overlapc calibrate`` for all-gather and all-to-all)
-and ``B`` is a number, the time interpolated on that curve: a link's rate per byte need not
+rank's input -> seconds, written by ``overlapc calibrate`` for all-gather and all-to-all,
+measured on groups of ``curves_world`` ranks, used for groups of that size only) and ``B``
+is a number, the time interpolated on that curve: a link's rate per byte need not
 be constant (over TCP on a shaped veth a 16 MiB all-to-all runs at 52-66% of the rate of
 2 MiB ones, so chunks are cheaper per byte than the whole).
 
@@ -102,7 +103,8 @@ class Profile:
                                      # None: 2 where concurrent_reductions, else 1
     fused_efficiency: float | None = None  # fused kernels' GEMM rate relative to plain GEMMs; None: no fused kernels
     curves: dict = field(default_factory=dict)  # collective kind -> ((input bytes per rank, s), ...):
-                                                # measured whole-collective times, used instead of alpha-beta
+                                                # measured times, used instead of alpha-beta ...
+    curves_world: int | None = None             # ... for groups of this many ranks only
 
     def gemm_for(self, dtype: str) -> Gemm:
         return self.gemm.get(dtype) or self.gemm.get("float32") or next(iter(self.gemm.values()))
@@ -121,7 +123,8 @@ def profile_from_dict(d: dict, path: str | None = None) -> Profile:
                        concurrent_reductions=bool(d.get("concurrent_reductions", False)),
                        comm_threads=d.get("comm_threads"),
                        fused_efficiency=d.get("fused_efficiency"),
-                       curves={k: _monotone(v) for k, v in (d.get("curves") or {}).items() if v})
+                       curves={k: _monotone(v) for k, v in (d.get("curves") or {}).items() if v},
+                       curves_world=int(d["curves_world"]) if d.get("curves") else None)
     except (KeyError, TypeError, ValueError) as e:
         raise OverlapError(f"hardware profile {path or d.get('name')!r} is malformed: {type(e).__name__}: {e}; "
                            f"see {PROFILE_DIR / 'h100-nvlink.json'} for the format") from e
@@ -199,7 +202,7 @@ def t_comm(kind: str, nbytes, world: int, p: Profile):
     if W <= 1:
         return sympy.Integer(0)
     step = (W - 1) * a
-    if kind in p.curves and B.is_number:
+    if kind in p.curves and W == p.curves_world and B.is_number:
         return sympy.Float(_on_curve(p.curves[kind], float(B), float(step)))
     if kind == "all_gather":
         return step + (W - 1) * B / b

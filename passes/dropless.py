@@ -243,25 +243,32 @@ def _input_roles(n: Node, kinds: dict):
             yield a, ("row" if va.dim() == out.dim() and _same_dim0(a, n) and not one else "const")
 
 
+def pipeline_matmuls(p: Pipeline) -> list[Node]:
+    """The body's GEMMs (``mm``, ``_grouped_mm``), in graph order."""
+    return [n for n in p.nodes if n.target is aten.mm.default or (GROUPED_MM is not None and n.target is GROUPED_MM)]
+
+
 def pipeline_stages(p: Pipeline):
-    """The cost model's view of a dropless pipeline: ([dispatch all-to-all, the body's GEMMs,
-    combine all-to-all], bytes the run-time op copies), priced as if routing were balanced
-    (every rank receives as many rows as it sends: the split sizes exist only at run time);
-    None where a size is not a number.
+    """The cost model's view of a dropless pipeline, as passes/all_to_all.region_stages gives
+    a region's: ([dispatch all-to-all, the body's GEMMs, combine all-to-all], bytes the
+    run-time op copies, bytes of partial sums added per extra chunk, dtype), priced as if
+    routing were balanced (every rank receives as many rows as it sends: the split sizes
+    exist only at run time); None where a size is not a number.
 
     GEMMs: each matmul of the body over the received rows R (``mm``; ``_grouped_mm``: one
-    call whose groups have R / groups rows each, the rows term's M), the weight gradients
-    (``mm(t(a), b)``) too.
-    Copies: the send buffer cut into per-chunk blocks, the combined rows put back in place,
-    and each row input and row output gathered or assembled by chunk."""
+    call whose groups have R / groups rows each, the rows term's M), and the weight
+    gradients (``mm(t(a), b)``: their rows are not cut, the chunks cut the reduction; each
+    extra chunk adds a float32 partial sum). Copies: the send buffer cut into per-chunk
+    blocks, the combined rows put back in place, and each row input and row output gathered
+    or assembled by chunk."""
     from .cost import Stage
 
-    def size(v, dims):
+    def num(*dims) -> int:
         out = 1
         for d in dims:
-            h = ops.hint(d) if isinstance(d, torch.SymInt) else d
+            h = ops.hint(d)
             if h is None:
-                raise NotPipelined("size")
+                raise NotPipelined("a run-time size")
             out *= h
         return out
 
@@ -269,30 +276,30 @@ def pipeline_stages(p: Pipeline):
     if xs is None or back is None or xs.dim() == 0:
         return None
     try:
-        rows = size(xs, xs.shape[:1])
-        sent = rows * size(xs, xs.shape[1:]) * xs.element_size()
-        returned = rows * size(back, back.shape[1:]) * back.element_size()
-        flops, calls, per_call_rows = 0, 0, rows
-        for n in p.nodes:
-            if n.target is not aten.mm.default and n.target is not GROUPED_MM:
-                continue
-            a, b, out = ops.val(n.args[0]), ops.val(n.args[1]), ops.val(n)
-            groups = size(b, b.shape[:1]) if n.target is GROUPED_MM and p.kinds[n] == "row" else (
-                size(out, out.shape[:1]) if n.target is GROUPED_MM else 1)
-            k = size(a, a.shape[-1:]) if p.kinds[n] == "row" else size(a, a.shape[-2:-1])
-            flops += 2 * rows * k * size(b, b.shape[-1:])
-            calls += 1  # a grouped matmul is one kernel: its groups' tiles share the launch
-            per_call_rows = min(per_call_rows, max(1, rows // groups))
+        rows = num(xs.shape[0])
+        sent = num(*xs.shape) * xs.element_size()
+        returned = rows * num(*back.shape[1:]) * back.element_size()
+        flops, per_call_rows = 0, rows
+        matmuls = pipeline_matmuls(p)
+        for n in matmuls:
+            a, b = ops.val(n.args[0]), ops.val(n.args[1])
+            if p.kinds[n] == "row":  # (R, K) x (K, N) or grouped (R, K) x (G, K, N)
+                flops += 2 * rows * num(a.shape[-1]) * num(b.shape[-1])
+                groups = num(b.shape[0]) if n.target is GROUPED_MM else 1
+                per_call_rows = min(per_call_rows, max(1, rows // groups))
+            else:  # weight gradient: (K, R) x (R, N)
+                flops += 2 * rows * num(a.shape[0]) * num(b.shape[-1])
         copied = sent + returned
         for n in [*p.row_inputs, *p.row_outputs]:
             v = ops.val(n)
-            copied += rows * size(v, v.shape[1:]) * v.element_size()
+            copied += rows * num(*v.shape[1:]) * v.element_size()
+        partials = sum(4 * num(*ops.val(n).shape) for n in p.reduced_outputs)
     except NotPipelined:
         return None
     stages = [Stage("comm", "all_to_all", sent),
-              Stage("compute", "gemm", flops, max(calls, 1), per_call_rows),
+              Stage("compute", "gemm", flops, max(len(matmuls), 1), per_call_rows),
               Stage("comm", "all_to_all", returned)]
-    return stages, copied
+    return stages, copied, partials, str(xs.dtype).replace("torch.", "")
 
 
 def can_pipeline(site, deps: DepGraph) -> str | None:

@@ -47,8 +47,6 @@ MAX_AUTO_CHUNKS = 4
 MIN_ROWS_PER_CHUNK = 32
 AUTO_MIN_BYTES = 1 << 20
 CHUNK_TIE = 0.01
-PLANNED_BY = "overlapc_pipeline_planned_by"
-"""node.meta key on a dropless dispatch: the site of the pair that was planned first (the other follows it)."""
 """Counts whose summed prediction is within this of the best are ties (the fewest wins).
 On the stop-11 bench_plan run (24 configurations, judged on the sweep's times) the rule
 picked a count within 5% of the best fixed one in 17 cases with no tie band, 18 with 1%,
@@ -118,9 +116,8 @@ def predict_pipeline(site, profile: cost.Profile) -> cost.Prediction | None:
     got = dropless.pipeline_stages(site.pipeline)
     if got is None or not site.world:
         return None
-    stages, copy_bytes = got
-    dtype = str(ops.val(site.pipeline.dispatch.args[0]).dtype).removeprefix("torch.")
-    return cost.predict_stages(stages, site.world, dtype, profile, None, copy_bytes)
+    stages, copy_bytes, add_bytes, dtype = got
+    return cost.predict_stages(stages, site.world, dtype, profile, None, copy_bytes, add_bytes)
 
 
 def _nbytes(v) -> int:
@@ -130,8 +127,6 @@ def _nbytes(v) -> int:
 
 def plan_sites(sites: list[MatchedSite], options: Options, deps: DepGraph) -> None:
     profile = cost.load_profile(options.hardware) if sites else None
-    for s in sites:  # planned afresh (a graph may be planned more than once)
-        s.coll.meta.pop(PLANNED_BY, None)
     _plan_each(sites, options, deps, profile)
     _agree_on_chunks(sites, options, profile)
     for s in sites:
@@ -173,6 +168,7 @@ def _agree_on_chunks(sites: list[MatchedSite], options: Options, profile) -> Non
 def _plan_each(sites: list[MatchedSite], options: Options, deps: DepGraph, profile) -> None:
     left_out = frozenset(s.coll for s in sites if options.for_site(s.name)["strategy"] == "none" or (
         options.min_bytes and s.comm_bytes() is not None and s.comm_bytes() < options.min_bytes))
+    planned_pipelines: dict = {}  # dropless dispatch -> the site of its pair planned first
     for site in sites:
         per_site = options.for_site(site.name)
         strategy, chunks = per_site["strategy"], per_site["chunks"]
@@ -222,7 +218,7 @@ def _plan_each(sites: list[MatchedSite], options: Options, deps: DepGraph, profi
                 continue
             pred = predict_region(site, profile, left_out)
         elif isinstance(site, all_to_all.A2A_SITES) and site.pipeline is not None:
-            first = site.pipeline.dispatch.meta.setdefault(PLANNED_BY, site)
+            first = planned_pipelines.setdefault(site.pipeline.dispatch, site)
             if first is not site:
                 # The other all-to-all of a pipeline planned already: one op runs both.
                 site.details["modelled_with"] = first.name
@@ -230,6 +226,10 @@ def _plan_each(sites: list[MatchedSite], options: Options, deps: DepGraph, profi
                     site.strategy, site.chunks, site.status = first.strategy, first.chunks, "planned"
                 else:
                     site.reason = f"in the pipeline of {first.name}: {first.reason}"
+                continue
+            other = site.pipeline.combine if site.coll is site.pipeline.dispatch else site.pipeline.dispatch
+            if other in left_out:  # one op runs both all-to-alls or neither
+                site.reason = f"its pipeline's other all-to-all, {other.name}, is left alone (strategy 'none' or min_bytes)"
                 continue
             pred = predict_pipeline(site, profile)
         else:
@@ -268,8 +268,8 @@ def _where(site: MatchedSite) -> str:
     pipeline = getattr(site, "pipeline", None)
     if pipeline is not None:
         rows = ops.hint(ops.val(pipeline.dispatch.args[0]).shape[0])
-        return (f"a dropless pipeline of {sum(1 for n in pipeline.nodes if n.target in (ops.aten.mm.default, dropless.GROUPED_MM))} "
-                f"GEMMs, {rows} rows sent per rank (priced at balanced routing), {site.comm_bytes()} B per rank")
+        return (f"a dropless pipeline of {len(dropless.pipeline_matmuls(pipeline))} GEMMs, {rows} rows sent per "
+                f"rank (priced at balanced routing), {site.comm_bytes()} B per rank")
     mm = site.matmuls[0] if site.matmuls else None
     v = ops.val(mm) if mm is not None else None
     if v is not None and v.dim() >= 2:

@@ -54,6 +54,7 @@ def test_measured_curves_replace_alpha_beta_where_sizes_are_numbers():
     # A link that slows per byte for big messages (TCP over a shaped veth does), noisy at the
     # small end: 1 MiB in 10 ms, 4 MiB in 60 ms (not 40), 8 KiB measured slower than 64 KiB.
     d["curves"] = {"all_to_all": [[4 << 20, 0.060], [8 << 10, 0.002], [64 << 10, 0.001], [1 << 20, 0.010]]}
+    d["curves_world"] = 2
     p = cost.profile_from_dict(d)
     assert [t for _, t in p.curves["all_to_all"]] == [0.002, 0.002, 0.010, 0.060]  # sorted, non-decreasing
     assert float(cost.t_comm("all_to_all", 1 << 20, 2, p)) == pytest.approx(0.010)
@@ -61,8 +62,9 @@ def test_measured_curves_replace_alpha_beta_where_sizes_are_numbers():
     assert float(cost.t_comm("all_to_all", 8 << 20, 2, p)) == pytest.approx(0.060 + 4 * 0.050 / 3)  # last slope
     # Four chunks of 1 MiB beat the whole 4 MiB here: the curve lets the model see it.
     assert 4 * float(cost.t_comm("all_to_all", 1 << 20, 2, p)) < float(cost.t_comm("all_to_all", 4 << 20, 2, p))
-    # Kinds without a curve, and symbolic sizes, keep the alpha-beta formula.
+    # Kinds without a curve, groups of another size, and symbolic sizes keep the alpha-beta formula.
     assert cost.t_comm("all_gather", 1 << 20, 2, p) == cost.t_comm("all_gather", 1 << 20, 2, ab)
+    assert cost.t_comm("all_to_all", 1 << 20, 4, p) == cost.t_comm("all_to_all", 1 << 20, 4, ab)
     s = sympy.Symbol("s", positive=True, integer=True)
     assert cost.t_comm("all_to_all", s * 1024, 2, p) == cost.t_comm("all_to_all", s * 1024, 2, ab)
 
@@ -212,7 +214,15 @@ def test_calibrate_gives_every_rank_rank0s_numbers(world2, tmp_path):
     p = profs[0]
     assert p["link"]["beta_gbps"] > 0 and p["link"]["alpha_us"] > 0 and p["copy_gbps"] > 0
     assert p["gemm"]["float32"]["peak_tflops"] > 0
-    assert {k: len(v) for k, v in p["curves"].items()} == {"all_gather": 5, "all_to_all": 5}
+    # Curve points are bytes of one rank's input, what t_comm is given: the all-to-all sends
+    # what the all-gather of the same point gathers; the model gives back the measured times.
+    assert p["curves_world"] == 2 and {k: len(v) for k, v in p["curves"].items()} == {"all_gather": 5, "all_to_all": 5}
+    prof = cost.profile_from_dict(p)
+    for (b_ag, _), (b_a2a, _) in zip(p["curves"]["all_gather"], p["curves"]["all_to_all"]):
+        assert b_a2a == 2 * b_ag
+    for kind in ("all_gather", "all_to_all"):
+        for b, t in prof.curves[kind]:
+            assert float(cost.t_comm(kind, b, 2, prof)) == pytest.approx(t)
     f = tmp_path / "local.json"
     f.write_text(json.dumps(p))
     assert cost.load_profile(str(f)).name == "cpu-local"
@@ -275,7 +285,7 @@ def test_ulysses_region_has_projection_attention_and_output_stages(fake_mesh8, t
     assert q_k_v["count"] == 3 and attn["amount"] == 4 * 8192 * 8192 * 2048 // 8 // 2  # q, k, v; causal attention
 
 
-def _dropless_sites(mesh, profile, **kw):
+def _dropless_sites(mesh, profile, overrides=None, **kw):
     """The all-to-all sites of a dropless MoE training step, compiled for real (fake process
     group): its split sizes come from .tolist(), which explain()'s fake tensors cannot give."""
     from overlapc import Backend, Options
@@ -285,7 +295,7 @@ def _dropless_sites(mesh, profile, **kw):
                dtype="bfloat16")
     cfg.update(kw)
     model, inputs = moe.build_ep(mesh, **cfg)
-    be = Backend(Options(hardware=profile))
+    be = Backend(Options(hardware=profile, overrides=overrides or {}))
     torch._dynamo.reset()
     with torch._dynamo.config.patch(capture_scalar_outputs=True):
         torch.compile(model, backend=be)(*inputs).float().sum().backward()
@@ -324,3 +334,9 @@ def test_dropless_pipelines_are_priced_at_balanced_routing(fake_mesh8, tmp_path)
     assert owner.status == "skipped" and owner.reason.startswith("predicted gain"), owner.reason
     assert "a dropless pipeline of 3 GEMMs, 128 rows sent per rank" in owner.reason
     assert follower.status == "skipped" and follower.reason.startswith(f"in the pipeline of {owner.name}: ")
+    # One op runs both all-to-alls or neither: the combine left alone keeps the dispatch too.
+    _, sites = _dropless_sites(fake_mesh8, str(tmp_path / "flat.json"), tokens=4096, dim=256, hidden=256,
+                               overrides={"forward:*:matmul_all_to_all": {"strategy": "none"}})
+    owner, follower = [s for s in sites if s.graph == "forward"]
+    assert follower.status == "found" and owner.status == "skipped", (owner.status, owner.reason)
+    assert f"other all-to-all, {follower.name.split(':')[1]}, is left alone" in owner.reason
