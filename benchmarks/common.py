@@ -214,7 +214,7 @@ def interleaved(steps: dict, iters: int) -> dict[str, list[float]]:
     return out
 
 
-def summary(times: dict[str, list[float]], t_comm: list[float], loaded: tuple[float, float]) -> dict:
+def summary(times: dict[str, list[float]], t_comm: list[float], loaded: tuple[float, float] | None) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     tc = statistics.median(t_comm)
     base, ovl, comp = med["base"], med["overlapc"], med["compute"]
@@ -223,7 +223,7 @@ def summary(times: dict[str, list[float]], t_comm: list[float], loaded: tuple[fl
         "speedup": base / ovl,
         "efficiency": (base - ovl) / min(comp, tc),
         "ideal_speedup": base / max(comp, tc),
-        "t_compute_loaded": loaded[0], "t_comm_loaded": loaded[1],
+        "t_compute_loaded": loaded[0] if loaded else None, "t_comm_loaded": loaded[1] if loaded else None,
         "spread": {k: [min(v), max(v)] for k, v in times.items()},
     }
 
