@@ -270,7 +270,7 @@ def region_stages(region: ax.Region):
             if _skinnier(m, cut, acc[2], acc[3]):
                 acc[2], acc[3] = m, cut
             if dtype is None and out is not None:
-                dtype = str(out.dtype).replace("torch.", "")
+                dtype = ops.dtype_name(out)
         if st.axis is None:  # a sum over the axis: one more partial per extra chunk
             if out is None or ops.hint(out.numel()) is None:
                 return None

@@ -221,9 +221,9 @@ def _on_curve(points, nbytes: float, latency: float) -> float:
     points, from (0, latency); past the largest point, on the slope of the last segment."""
     pts = [(0.0, min(latency, points[0][1])), *points]
     for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
-        if nbytes <= b1 or (b1, t1) == pts[-1]:
-            return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0) if b1 > b0 else t1
-    return pts[-1][1]
+        if nbytes <= b1:
+            break  # else the last segment, extended
+    return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0) if b1 > b0 else t1
 
 
 @dataclass(frozen=True)

@@ -299,7 +299,7 @@ def pipeline_stages(p: Pipeline):
     stages = [Stage("comm", "all_to_all", sent),
               Stage("compute", "gemm", flops, max(len(matmuls), 1), per_call_rows),
               Stage("comm", "all_to_all", returned)]
-    return stages, copied, partials, str(xs.dtype).replace("torch.", "")
+    return stages, copied, partials, ops.dtype_name(xs)
 
 
 def can_pipeline(site, deps: DepGraph) -> str | None:

@@ -251,6 +251,11 @@ def symbolic_ok() -> bool:
     return _BUCKET.get() is not None
 
 
+def dtype_name(t: torch.Tensor) -> str:
+    """A tensor's dtype as profiles and reports name it: "float32", "bfloat16", ..."""
+    return str(t.dtype).replace("torch.", "")
+
+
 def hint(x) -> int | None:
     """An int for a size: itself, or a symbolic size at the bucket's representative values
     (None outside a bucket, or for sizes known only at run time)."""

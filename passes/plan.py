@@ -81,7 +81,7 @@ def predict_site(site: MatchedSite, profile: cost.Profile, extent: int) -> cost.
         flops = cost.site_flops(pairs)
     except OverlapError:
         return None
-    dtype = str(ops.val(site.coll.args[0]).dtype).replace("torch.", "")
+    dtype = ops.dtype_name(ops.val(site.coll.args[0]))
     # What the rewrite copies: chunk outputs concatenated back (AG: every consumer's output;
     # RS/AR: the collective's output) and, for RS, the GEMM inputs regrouped by rank.
     if site.pattern == "all_gather_matmul":

@@ -83,7 +83,7 @@ class MatchedSite:
             reason=self.reason, strategy=self.strategy, chunks=self.chunks, group=self.group,
             world_size=self.world, collective=self.coll.name, collective_op=ops.collective_name(self.coll),
             matmuls=[m.name for m in self.matmuls], module=self.module(), dim=self.dim,
-            dtype=str(v.dtype).replace("torch.", "") if v is not None else None,
+            dtype=ops.dtype_name(v) if v is not None else None,
             shapes=_plain(self.shapes()), comm_bytes=self.comm_bytes(), details=_plain(self.details),
         )
 
@@ -125,7 +125,7 @@ class Loose:
             reason=self.reason, group=ops.group_name(self.coll), world_size=ops.world_size(self.coll),
             collective=self.coll.name, collective_op=ops.collective_name(self.coll),
             module=ops.module_path(self.coll),
-            dtype=str(v.dtype).replace("torch.", "") if v is not None else None,
+            dtype=ops.dtype_name(v) if v is not None else None,
             shapes=_plain({"input": ops.shape(self.coll.args[0]) if v is not None else None,
                            "output": ops.shape(self.coll)}),
         )
