@@ -152,6 +152,8 @@ def can_rewrite(site, deps: DepGraph) -> str | None:
 def _describe(site, region: ax.Region) -> None:
     site.details["axis"] = {"dim": region.axis.dim, "extent": region.axis.extent, "inner": region.axis.inner}
     site.details["chained"] = [c.name for c in region.collectives if c is not site.coll]
+    if region.deferred:
+        site.details["whole_after_chunks"] = [n.name for n in region.deferred]
 
 
 def chunk_extent(site) -> int:
@@ -230,21 +232,30 @@ def region_stages(region: ax.Region):
 
     A node's level is the number of all-to-alls between the region's start and it: GEMMs
     (and fused attention) at level L form compute stage 2L, the all-to-alls they feed comm
-    stage 2L + 1. A compute stage's rows are those of its skinniest GEMM (M) among those whose
+    stage 2L + 1; sums deferred to run whole (:func:`overlapc.passes.axis._deferrable`) are
+    the ``after`` of their level's compute stage. A compute stage's rows are those of its skinniest GEMM (M) among those whose
     rows the chunks cut (else among all), cut by the chunks
     when the region's axis runs along them (MoE capacity slots) and whole per chunk when it
     does not (Ulysses heads). Elementwise ops are not modelled (memory-bound, small beside
     the GEMMs)."""
     from . import cost
 
-    level: dict[Node, int] = {}
+    order = {n: i for i, n in enumerate(region.steps[0].node.graph.nodes)} if region.steps else {}
+    level = ax.levels(sorted([st.node for st in region.steps] + region.deferred, key=order.get))
     amount: dict[int, list] = {}  # stage -> [amount, count, rows, rows_chunked]
+    after: dict[int, list] = {}  # compute stage -> [flops, calls] of its deferred sums
     dtype = None
     copy_bytes = add_bytes = 0
+    for node in region.deferred:
+        f = _matmul_flops(node) if node.target in ops.MATMULS else None
+        if f is not None:  # elementwise sums are not modelled (as in the steps)
+            acc = after.setdefault(2 * level[node], [0, 0])
+            acc[0] += f
+            acc[1] += 1
     for st in region.steps:
         node = st.node
-        lvl = max((level.get(i, 0) for i in node.all_input_nodes), default=0)
         if node.target is ops.ALL_TO_ALL:
+            lvl = level[node] - 1
             x = ops.val(node.args[0])
             nb = ops.hint(x.numel()) if x is not None else None
             if nb is None:
@@ -256,9 +267,8 @@ def region_stages(region: ax.Region):
             acc = amount.setdefault(2 * lvl + 1, [0, 0, None, True])
             acc[0] += nb * x.element_size()
             acc[1] += 1
-            level[node] = lvl + 1
             continue
-        level[node] = lvl
+        lvl = level[node]
         out = ops.val(node)
         f = _matmul_flops(node) if node.target in ops.MATMULS else _attention_flops(node)
         if f is not None:
@@ -281,15 +291,18 @@ def region_stages(region: ax.Region):
             return None
         copy_bytes += ops.hint(v.numel()) * v.element_size()
     stages: list = []
-    for s in sorted(amount):
+    for s in sorted(set(amount) | set(after)):
         lane = "comm" if s % 2 else "compute"
-        total, count, rows, chunked = amount[s]
+        total, count, rows, chunked = amount.get(s, [0, 0, None, True])
+        late, late_count = after.get(s, [0, 0])
         if stages and stages[-1].lane == lane:  # an empty stage between two of one lane: merge them
             prev = stages.pop()
             total, count = total + prev.amount, count + prev.count
+            late, late_count = late + prev.after, late_count + prev.after_count
             if _skinnier(prev.rows, prev.rows_chunked, rows, chunked):
                 rows, chunked = prev.rows, prev.rows_chunked
-        stages.append(cost.Stage(lane, "all_to_all" if lane == "comm" else "gemm", total, count, rows, chunked))
+        stages.append(cost.Stage(lane, "all_to_all" if lane == "comm" else "gemm", total, count, rows, chunked,
+                                 late, late_count))
     return stages, copy_bytes, add_bytes, dtype or "float32"
 
 

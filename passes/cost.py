@@ -238,10 +238,20 @@ class Stage:
     count: int = 1      # collectives (or GEMM calls) the stage is made of; each pays its latency per chunk
     rows: int | None = None   # compute: rows (M) of its GEMM calls, whole
     rows_chunked: bool = True  # the chunks cut those rows (else each chunk's GEMMs keep them all)
+    after: int = 0      # compute: flops run whole, once, after the stage's last chunk (deferred sums)
+    after_count: int = 0  # the GEMM calls of ``after``
 
     def to_dict(self) -> dict:
         return {"lane": self.lane, "kind": self.kind, "amount": self.amount, "count": self.count,
-                "rows": self.rows, "rows_chunked": self.rows_chunked}
+                "rows": self.rows, "rows_chunked": self.rows_chunked, "after": self.after,
+                "after_count": self.after_count}
+
+    def t_after(self, gemm: "Gemm"):
+        """Time of the deferred GEMMs (whole rows: no small-chunk penalty)."""
+        if not self.after:
+            return sympy.Integer(0)
+        k = max(1, self.after_count)
+        return k * t_gemm(sympy.sympify(self.after) / k, gemm)
 
 
 def stage_times(st: Stage, fracs: list, world: int, gemm: Gemm, p: Profile) -> list:
@@ -260,7 +270,7 @@ def stage_times(st: Stage, fracs: list, world: int, gemm: Gemm, p: Profile) -> l
     return ts
 
 
-def flow(durations: list[list], lanes: list[str], loss: float = 0.0):
+def flow(durations: list[list], lanes: list[str], loss: float = 0.0, after: list | None = None):
     """Start times and durations of a chunked pipeline, and its end (sympy or numbers).
 
     ``durations[s][i]``: chunk i of stage s; ``lanes[s]``: its lane. Each lane runs its
@@ -270,7 +280,9 @@ def flow(durations: list[list], lanes: list[str], loss: float = 0.0):
     chunk i of stage s starts once chunk i of stage s - 1 has finished. A compute task is
     lengthened by ``loss`` times the transfer that runs under it (the next chunk's
     incoming one, the previous chunk's outgoing one; at most its own length): overlapped
-    transfers and GEMMs still compete for cores or SMs.
+    transfers and GEMMs still compete for cores or SMs. ``after[s]``: a task on stage s's
+    lane once its last chunk is done (chunk index -1 in the events), which nothing waits for
+    but which holds the lane.
     Returns (events, end): events are (stage, chunk, start, duration)."""
     free = {lane: sympy.Integer(0) for lane in lanes}
     done: list[list] = []
@@ -292,7 +304,10 @@ def flow(durations: list[list], lanes: list[str], loss: float = 0.0):
             free[lane] = start + d
             events.append((s, i, start, d))
         done.append(row)
-    end = sympy.Max(*(r[-1] for r in done)) if done else sympy.Integer(0)
+        if after and after[s]:
+            events.append((s, -1, free[lane], after[s]))
+            free[lane] = free[lane] + after[s]
+    end = sympy.Max(*(r[-1] for r in done), *free.values()) if done else sympy.Integer(0)
     return events, end
 
 
@@ -314,12 +329,12 @@ def t_stages(stages: list[Stage], world: int, gemm: Gemm, p: Profile, n: int, co
     where events are (lane, label, start, duration), the overhead and copies last."""
     fracs = chunk_fracs(n, extent)
     durations = [stage_times(st, fracs, world, gemm, p) for st in stages]
-    evs, end = flow(durations, [st.lane for st in stages], p.overlap_loss)
+    evs, end = flow(durations, [st.lane for st in stages], p.overlap_loss, [st.t_after(gemm) for st in stages])
     n_colls = sum(st.count for st in stages if st.lane == "comm")
     tail = (n - 1) * n_colls * p.chunk_overhead + (sympy.sympify(copy_bytes) + (n - 1) * add_bytes) / p.copy_bw
     if not events:
         return end + tail
-    out = [(stages[s].lane, f"{stages[s].kind} {i}", t0, d) for s, i, t0, d in evs]
+    out = [(stages[s].lane, f"{stages[s].kind} {'whole' if i < 0 else i}", t0, d) for s, i, t0, d in evs]
     if tail:
         out.append(("compute", "chunk overhead + copies", end, tail))
     return out, end + tail
@@ -327,7 +342,7 @@ def t_stages(stages: list[Stage], world: int, gemm: Gemm, p: Profile, n: int, co
 
 def whole_times(stages: list[Stage], world: int, gemm: Gemm, p: Profile) -> list[float]:
     """Each stage's time unchunked (the baseline runs them one after another)."""
-    return [float(stage_times(st, [1], world, gemm, p)[0]) for st in stages]
+    return [float(stage_times(st, [1], world, gemm, p)[0] + st.t_after(gemm)) for st in stages]
 
 
 def site_stages(pattern: str, nbytes, flops, count: int = 1, rows=None) -> list[Stage]:
@@ -409,7 +424,7 @@ def predict_stages(stages: list[Stage], world: int, dtype: str, p: Profile, exte
            for n in range(2, (8 if extent is None else min(8, extent)) + 1)}
     best_n = min(per, key=lambda n: (per[n], n)) if per else None
     best, strategy, chunks = (per[best_n], "decompose", best_n) if per else (base, "skip", None)
-    flops = sum(st.amount for st in stages if st.lane == "compute")
+    flops = sum(st.amount + st.after for st in stages if st.lane == "compute")
     return Prediction(base, best, strategy, chunks, c, g, per, flops, dtype, copy_bytes, list(stages), extent,
                       add_bytes)
 

@@ -94,6 +94,11 @@ def test_flow_is_the_issue_order_recurrence():
     starts = {(s, i): float(t0) for s, i, t0, _ in evs}
     assert starts == {(0, 0): 0, (0, 1): 1, (1, 0): 1, (1, 1): 4, (2, 0): 4, (2, 1): 7}
     assert float(end) == 8
+    # A deferred task (whole weight gradients) holds the compute lane after its stage's last
+    # chunk; the next stage's chunks do not wait for it.
+    evs, end = cost.flow([[1, 1], [2, 2], [1, 1]], ["comm", "compute", "comm"], after=[0, 3, 0])
+    starts = {(s, i): float(t0) for s, i, t0, _ in evs}
+    assert starts[(1, -1)] == 5 and starts[(2, 0)] == 3 and starts[(2, 1)] == 5 and float(end) == 8
     # Overlap loss: a GEMM lengthened by its share of the transfer running under it.
     _, lossy = cost.flow([[2, 2], [2, 2]], ["comm", "compute"], loss=0.5)
     assert float(lossy) == pytest.approx(2 + (2 + 0.5 * 2) + 2)
@@ -270,6 +275,10 @@ def test_all_to_all_regions_are_planned_by_the_model(fake_mesh8, tmp_path):
         # The planned timeline is the model's own flow: it ends at the predicted time.
         _, planned = cost.site_events(p, 8, cost.load_profile(balanced), "decompose", s.chunks)
         assert max(t + d for _, _, t, d in planned) * 1e3 == pytest.approx(p["best_ms"], rel=1e-3)
+    # The backward's expert weight gradients are priced whole, after the experts' chunks.
+    bw = next(s for s in owners if s.graph == "backward").details["predicted"]["stages"]
+    assert [(st["lane"], st["after_count"]) for st in bw] == [("comm", 0), ("compute", 3), ("comm", 0)], bw
+    assert bw[1]["after"] > 0
 
 
 def test_ulysses_region_has_projection_attention_and_output_stages(fake_mesh8, tmp_path):

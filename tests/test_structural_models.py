@@ -121,6 +121,11 @@ def test_moe_decomposed_along_capacity(fake_mesh8, form):
         assert len(s.details["chained"]) == 1
     for s in report.by(pattern="matmul_all_to_all"):
         assert s.details["chained_from"].endswith("all_to_all_matmul")
+    # The expert weight gradients (sums over the capacity slots, read by nothing in the region,
+    # followed by the dispatch's grad all-to-all) run whole after the chunks, not as partials.
+    bw = report.by(graph="backward", pattern="all_to_all_matmul")[0]
+    assert len(bw.details["whole_after_chunks"]) == 3, bw.details  # w1, w2, w3
+    assert all("whole_after_chunks" not in s.details for s in report.by(graph="forward"))
 
 
 def test_ulysses_one_region_per_graph(fake_mesh8):
