@@ -306,6 +306,19 @@ def region_stages(region: ax.Region):
     return stages, copy_bytes, add_bytes, dtype or "float32"
 
 
+def _run_after(deferred: list[Node], last_chunk_coll: Node) -> None:
+    """Order the deferred sums behind the region's last chunked all-to-all (a scheduling
+    edge, passes/schedule.ISSUE_AFTER). The schedule would otherwise run compute that feeds
+    no collective as early as its position allows, and the rewrite's node order is no
+    guide: the whole weight gradients then ran before the last chunk's input gradients and
+    held back its transfer (the world-2 MoE training step's last all-to-all chunk started
+    after them). So ordered, they run under the last chunks' transfers."""
+    from .schedule import ISSUE_AFTER
+
+    for n in deferred:
+        n.meta[ISSUE_AFTER] = last_chunk_coll.name
+
+
 def rewrite(site, chunks: int) -> None:
     """Chunk the all-to-all and its region; chain the all-to-alls the region reaches.
 
@@ -369,4 +382,6 @@ def rewrite(site, chunks: int) -> None:
             other.details.update(axis=site.details["axis"], chained_from=site.name)
             other.details.pop("chained", None)
     remove_dead_nodes(graph)
+    if region.deferred:
+        _run_after(region.deferred, pieces[-1][region.collectives[-1]])
     site.details["chunk_sizes"] = sizes

@@ -129,7 +129,11 @@ def list_schedule(items: list, preds: dict, early: set, late: set, collectives: 
         # bounded by one layer).
         inf = len(items)
         first, nxt = {}, inf
-        for n in reversed(items):
+        # Scheduling edges (ISSUE_AFTER) may point forward in the current order: walk a
+        # topological order of ``preds`` (the current one where it is already one).
+        forward = all(pos[p] < pos[n] for n in items for p in preds.get(n, ()) if p in pos and p is not n)
+        topo = items if forward else list_schedule(items, preds, set(), set())
+        for n in reversed(topo):
             if n in collectives:
                 nxt = pos[n]
             f = min([pos[n] if n in collectives else inf] + [first[u] for u in succs[n]])
@@ -177,7 +181,9 @@ def list_schedule(items: list, preds: dict, early: set, late: set, collectives: 
 SERIAL_BACKENDS = ("gloo",)
 SERIAL_OPS = (ops.ALL_GATHER,)
 ISSUE_AFTER = "overlapc_issue_after"
-"""node.meta key: name of the wait a collective must not be issued before (a scheduling edge)."""
+"""node.meta key: name of a node this one must not be scheduled before (a scheduling edge):
+the previous wait of a serialized all-gather, the last chunked all-to-all of a region for
+its deferred sums. Honoured by :func:`schedule` and the inductor hook (overlapc.compiler)."""
 
 
 def serialize_collectives(nodes: list[Node]) -> dict[Node, Node]:
@@ -219,8 +225,12 @@ def schedule(graph: Graph) -> bool:
     early = _feeders(dag, colls)
     late = _waiters(dag, [n for n in nodes if n.target is ops.WAIT])
     preds = {n: list(dag.predecessors(n)) for n in nodes}
-    for n, w in serialize_collectives(nodes).items():
-        preds[n].append(w)
+    serialize_collectives(nodes)
+    by_name = {n.name: n for n in nodes}
+    for n in nodes:  # scheduling edges: serialized all-gathers, deferred sums (passes/all_to_all)
+        after = by_name.get(n.meta.get(ISSUE_AFTER))
+        if after is not None and after is not n:
+            preds[n].append(after)
     return _apply_order(graph, nodes, list_schedule(nodes, preds, early, late, collectives=set(colls)))
 
 

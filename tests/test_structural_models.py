@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import overlapc
+from overlapc.explain import capture
 from overlapc.models import llama, moe
 
 L = 2  # decoder layers
@@ -113,7 +114,7 @@ def test_moe_decomposed_along_capacity(fake_mesh8, form):
     all-to-all is chained to it, forward and backward."""
     model, inputs = moe.build_ep(fake_mesh8, expert_form=form, tokens=64)
     cap = moe.capacity(model.cfg, 64)
-    report = overlapc.explain(model, *inputs, options={"strategy": "decompose", "chunks": 3})
+    report, graphs = capture(model, *inputs, options={"strategy": "decompose", "chunks": 3})
     sites = [s for s in report.sites if s.pattern != "collective"]
     assert len(sites) == 4 and all(s.status == "rewritten" and s.chunks == 3 for s in sites), str(report)
     for s in report.by(pattern="all_to_all_matmul"):
@@ -125,6 +126,11 @@ def test_moe_decomposed_along_capacity(fake_mesh8, form):
     # followed by the dispatch's grad all-to-all) run whole after the chunks, not as partials.
     bw = report.by(graph="backward", pattern="all_to_all_matmul")[0]
     assert len(bw.details["whole_after_chunks"]) == 3, bw.details  # w1, w2, w3
+    # ... scheduled after every chunk's all-to-all has been issued (under the last transfers).
+    (bw_graph,) = [g for kind, g in graphs if kind == "backward"]
+    order = {n.name: i for i, n in enumerate(bw_graph.graph.nodes)}
+    last_a2a = max(i for n, i in order.items() if n.startswith("all_to_all_single"))
+    assert all(order[n] > last_a2a for n in bw.details["whole_after_chunks"]), order
     assert all("whole_after_chunks" not in s.details for s in report.by(graph="forward"))
 
 
