@@ -48,6 +48,8 @@ def _static_splits(s) -> bool:
 class AllToAllMatmulSite(ConsumerSite):
     pattern = "all_to_all_matmul"
     region: ax.Region | None = None
+    axis: ax.Axis | None = None
+    """The axis the planner chose (None: the structural best, :func:`best_region`)."""
     pipeline: object | None = None
     """A dropless.Pipeline: run-time splits, chunked by the run-time op."""
 
@@ -60,6 +62,8 @@ class AllToAllMatmulSite(ConsumerSite):
 class MatmulAllToAllSite(ProducerSite):
     pattern = "matmul_all_to_all"
     region: ax.Region | None = None
+    axis: ax.Axis | None = None
+    """The axis the planner chose (None: the structural best, :func:`best_region`)."""
     pipeline: object | None = None
 
     @property
@@ -121,14 +125,25 @@ REACHED = "overlapc_reached_by"
 A2A_SITES = (AllToAllMatmulSite, MatmulAllToAllSite)
 
 
-def best_region(site, may_chain=lambda coll: True) -> ax.Region | None:
-    """The region, over every candidate axis, reaching the most matmuls and all-to-alls."""
-    best = None
+def candidate_regions(site, may_chain=lambda coll: True) -> list[ax.Region]:
+    """The site's regions that reach a matmul, one per candidate axis, taking in the most
+    all-to-alls any of them takes in (overlapping a collective beats any chunking choice);
+    restricted to the planner's axis once it chose one (``site.axis``)."""
+    regions = []
     for a in ax.candidate_axes(site.wait, site.world):
+        if getattr(site, "axis", None) is not None and a != site.axis:
+            continue
         r = ax.grow(site.wait, a, may_chain)
-        if r is not None and r.matmuls and (best is None or r.score() > best.score()):
-            best = r
-    return best
+        if r is not None and r.matmuls:
+            regions.append(r)
+    most = max((len(r.collectives) for r in regions), default=0)
+    return [r for r in regions if len(r.collectives) == most]
+
+
+def best_region(site, may_chain=lambda coll: True) -> ax.Region | None:
+    """The region to rewrite: the planner's axis (``site.axis``), else the structural best:
+    most all-to-alls, then room for a pipeline, most matmuls (:meth:`Region.score`)."""
+    return max(candidate_regions(site, may_chain), key=lambda r: r.score(), default=None)
 
 
 def can_rewrite(site, deps: DepGraph) -> str | None:
@@ -143,15 +158,16 @@ def can_rewrite(site, deps: DepGraph) -> str | None:
     if region is None:
         return "no axis of the exchanged buffer reaches a matmul through ops that keep chunks apart"
     site.region = region
-    _describe(site, region)
+    describe(site, region)
     for c in region.collectives:
         c.meta.setdefault(REACHED, site)
     return None
 
 
-def _describe(site, region: ax.Region) -> None:
+def describe(site, region: ax.Region) -> None:
     site.details["axis"] = {"dim": region.axis.dim, "extent": region.axis.extent, "inner": region.axis.inner}
     site.details["chained"] = [c.name for c in region.collectives if c is not site.coll]
+    site.details.pop("whole_after_chunks", None)
     if region.deferred:
         site.details["whole_after_chunks"] = [n.name for n in region.deferred]
 
@@ -217,11 +233,39 @@ def _matmul_flops(node: Node) -> int | None:
         return None
 
 
-def _skinnier(rows, cut, than_rows, than_cut) -> bool:
-    """Whether a GEMM of ``rows`` rows (``cut`` by the chunks or not) sets a stage's rows
-    rather than the one it has: GEMMs whose rows the chunks cut first (they pay more per
-    chunk), then the fewest rows."""
-    return rows is not None and (than_rows is None or (cut, -rows) > (than_cut, -than_rows))
+class _Gemms:
+    """The GEMMs of one compute stage (or of its deferred sums), for the cost model: flops,
+    calls, and the rows (M) of one equivalent call. Under the rows term t = f (1 + h / M)
+    (passes/cost.t_gemm), calls of f_i flops and M_i rows cost as much as their total F at
+    M = F / sum(f_i / M_i); over the GEMMs whose rows the chunks cut where there are any
+    (they pay more per chunk), else over all."""
+
+    def __init__(self):
+        self.flops = self.count = 0
+        self.fm = {True: [0, 0.0], False: [0, 0.0]}  # cut -> [flops, sum f / M]
+
+    def add(self, flops: int, rows, cut: bool) -> None:
+        self.flops += flops
+        self.count += 1
+        if rows:
+            acc = self.fm[cut]
+            acc[0] += flops
+            acc[1] += flops / rows
+
+    def merge(self, other: "_Gemms") -> None:
+        self.flops += other.flops
+        self.count += other.count
+        for cut in (True, False):
+            self.fm[cut][0] += other.fm[cut][0]
+            self.fm[cut][1] += other.fm[cut][1]
+
+    def rows(self):
+        """(rows, whether the chunks cut them)."""
+        for cut in (True, False):
+            f, fm = self.fm[cut]
+            if fm:
+                return round(f / fm), cut
+        return None, True
 
 
 def region_stages(region: ax.Region):
@@ -233,8 +277,8 @@ def region_stages(region: ax.Region):
     A node's level is the number of all-to-alls between the region's start and it: GEMMs
     (and fused attention) at level L form compute stage 2L, the all-to-alls they feed comm
     stage 2L + 1; sums deferred to run whole (:func:`overlapc.passes.axis._deferrable`) are
-    the ``after`` of their level's compute stage. A compute stage's rows are those of its skinniest GEMM (M) among those whose
-    rows the chunks cut (else among all), cut by the chunks
+    the ``after`` of their level's compute stage. A compute stage's rows are the equivalent
+    rows of its GEMMs (:class:`_Gemms`), cut by the chunks
     when the region's axis runs along them (MoE capacity slots) and whole per chunk when it
     does not (Ulysses heads). Elementwise ops are not modelled (memory-bound, small beside
     the GEMMs)."""
@@ -242,20 +286,20 @@ def region_stages(region: ax.Region):
 
     order = {n: i for i, n in enumerate(region.steps[0].node.graph.nodes)} if region.steps else {}
     level = ax.levels(sorted([st.node for st in region.steps] + region.deferred, key=order.get))
-    amount: dict[int, list] = {}  # stage -> [amount, count, rows, rows_chunked]
-    after: dict[int, list] = {}  # compute stage -> [flops, calls] of its deferred sums
+    gemms: dict[int, _Gemms] = {}  # compute stage -> its GEMMs
+    after: dict[int, _Gemms] = {}  # compute stage -> its deferred sums
+    comm: dict[int, list] = {}  # comm stage -> [bytes, collectives]
     dtype = None
     copy_bytes = add_bytes = 0
     for node in region.deferred:
         f = _matmul_flops(node) if node.target in ops.MATMULS else None
         if f is not None:  # elementwise sums are not modelled (as in the steps)
-            acc = after.setdefault(2 * level[node], [0, 0])
-            acc[0] += f
-            acc[1] += 1
+            out = ops.val(node)
+            m = ops.hint(out.shape[-2]) if out is not None else None
+            after.setdefault(2 * level[node], _Gemms()).add(f, m, False)
     for st in region.steps:
         node = st.node
         if node.target is ops.ALL_TO_ALL:
-            lvl = level[node] - 1
             x = ops.val(node.args[0])
             nb = ops.hint(x.numel()) if x is not None else None
             if nb is None:
@@ -264,21 +308,16 @@ def region_stages(region: ax.Region):
             shape = ax.static_shape(node.args[0])
             if a is not None and shape is not None and math.prod(shape[:a.dim]) * a.outer(shape) > 1:
                 copy_bytes += nb * x.element_size()
-            acc = amount.setdefault(2 * lvl + 1, [0, 0, None, True])
+            acc = comm.setdefault(2 * (level[node] - 1) + 1, [0, 0])
             acc[0] += nb * x.element_size()
             acc[1] += 1
             continue
-        lvl = level[node]
         out = ops.val(node)
         f = _matmul_flops(node) if node.target in ops.MATMULS else _attention_flops(node)
         if f is not None:
-            acc = amount.setdefault(2 * lvl, [0, 0, None, True])
-            acc[0] += f
-            acc[1] += 1
             m = ops.hint(out.shape[-2]) if node.target in ops.MATMULS and out is not None else None
             cut = m is not None and st.axis is not None and st.axis.dim == out.dim() - 2
-            if _skinnier(m, cut, acc[2], acc[3]):
-                acc[2], acc[3] = m, cut
+            gemms.setdefault(2 * level[node], _Gemms()).add(f, m, cut)
             if dtype is None and out is not None:
                 dtype = ops.dtype_name(out)
         if st.axis is None:  # a sum over the axis: one more partial per extra chunk
@@ -290,19 +329,27 @@ def region_stages(region: ax.Region):
         if v is None or ops.hint(v.numel()) is None:
             return None
         copy_bytes += ops.hint(v.numel()) * v.element_size()
-    stages: list = []
-    for s in sorted(set(amount) | set(after)):
+    merged: list[tuple] = []  # (lane, amounts); an empty stage between two of one lane merges them
+    for s in sorted(set(gemms) | set(after) | set(comm)):
         lane = "comm" if s % 2 else "compute"
-        total, count, rows, chunked = amount.get(s, [0, 0, None, True])
-        late, late_count = after.get(s, [0, 0])
-        if stages and stages[-1].lane == lane:  # an empty stage between two of one lane: merge them
-            prev = stages.pop()
-            total, count = total + prev.amount, count + prev.count
-            late, late_count = late + prev.after, late_count + prev.after_count
-            if _skinnier(prev.rows, prev.rows_chunked, rows, chunked):
-                rows, chunked = prev.rows, prev.rows_chunked
-        stages.append(cost.Stage(lane, "all_to_all" if lane == "comm" else "gemm", total, count, rows, chunked,
-                                 late, late_count))
+        cur = list(comm[s]) if lane == "comm" else [gemms.get(s) or _Gemms(), after.get(s) or _Gemms()]
+        if merged and merged[-1][0] == lane:
+            prev = merged.pop()[1]
+            if lane == "comm":
+                cur = [cur[0] + prev[0], cur[1] + prev[1]]
+            else:
+                cur[0].merge(prev[0])
+                cur[1].merge(prev[1])
+        merged.append((lane, cur))
+    stages: list = []
+    for lane, cur in merged:
+        if lane == "comm":
+            stages.append(cost.Stage("comm", "all_to_all", cur[0], cur[1]))
+            continue
+        g, late = cur
+        rows, chunked = g.rows()
+        stages.append(cost.Stage("compute", "gemm", g.flops, g.count, rows, chunked, late.flops, late.count,
+                                 late.rows()[0]))
     return stages, copy_bytes, add_bytes, dtype or "float32"
 
 
@@ -354,7 +401,7 @@ def rewrite(site, chunks: int) -> None:
                        f"{reacher.name if reacher else 'another site'}, which was not rewritten"
                        + (f": {reacher.reason}" if reacher is not None and reacher.reason else ""))
         return False
-    _describe(site, region)
+    describe(site, region)
     graph = site.coll.graph
     sizes = chunk_sizes(region.axis.extent, chunks)
     b = Builder(graph, like=site.coll)

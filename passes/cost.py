@@ -240,18 +240,19 @@ class Stage:
     rows_chunked: bool = True  # the chunks cut those rows (else each chunk's GEMMs keep them all)
     after: int = 0      # compute: flops run whole, once, after the stage's last chunk (deferred sums)
     after_count: int = 0  # the GEMM calls of ``after``
+    after_rows: int | None = None  # their rows (M)
 
     def to_dict(self) -> dict:
         return {"lane": self.lane, "kind": self.kind, "amount": self.amount, "count": self.count,
                 "rows": self.rows, "rows_chunked": self.rows_chunked, "after": self.after,
-                "after_count": self.after_count}
+                "after_count": self.after_count, "after_rows": self.after_rows}
 
     def t_after(self, gemm: "Gemm"):
-        """Time of the deferred GEMMs (whole rows: no small-chunk penalty)."""
+        """Time of the deferred GEMMs (whole rows, as in the baseline)."""
         if not self.after:
             return sympy.Integer(0)
         k = max(1, self.after_count)
-        return k * t_gemm(sympy.sympify(self.after) / k, gemm)
+        return k * t_gemm(sympy.sympify(self.after) / k, gemm, self.after_rows)
 
 
 def stage_times(st: Stage, fracs: list, world: int, gemm: Gemm, p: Profile) -> list:

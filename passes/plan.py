@@ -96,18 +96,37 @@ def predict_site(site: MatchedSite, profile: cost.Profile, extent: int) -> cost.
                         gemm_calls=len(pairs), rows=rows)
 
 
-def predict_region(site, profile: cost.Profile, left_out=frozenset()) -> cost.Prediction | None:
+def predict_region(site, profile: cost.Profile, left_out=frozenset(), chunks="auto") -> cost.Prediction | None:
     """The cost model's view of an all-to-all site's region (passes/all_to_all.region_stages),
     grown as the rewrite will grow it: without the all-to-alls of sites left alone
-    (``left_out``: strategy "none", below min_bytes)."""
-    region = all_to_all.best_region(site, lambda coll: coll is site.coll or coll not in left_out) or site.region
-    got = all_to_all.region_stages(region)
-    if got is None or not site.world:
+    (``left_out``: strategy "none", below min_bytes). Of the candidate axes (MoE: capacity
+    slots or whole experts) the one predicted fastest at ``chunks`` (its best count under
+    "auto"; of the axes with room for a fixed count) becomes the site's (``site.axis``,
+    ``site.region``): slot chunks multiply every
+    local expert's weights per chunk, expert chunks each weight once but allow only as many
+    chunks as there are local experts; the model's rows term tells them apart."""
+    best = None
+    regions = all_to_all.candidate_regions(site, lambda coll: coll is site.coll or coll not in left_out)
+    if chunks != "auto":  # a count the user asked for: the axes that can honour it, if any can
+        regions = [r for r in regions if r.axis.extent >= int(chunks)] or regions
+    for region in regions:
+        got = all_to_all.region_stages(region)
+        if got is None or not site.world:
+            continue
+        stages, copy_bytes, add_bytes, dtype = got
+        if not any(st.lane == "compute" for st in stages):
+            continue
+        pred = cost.predict_stages(stages, site.world, dtype, profile, region.axis.extent, copy_bytes, add_bytes)
+        t = pred.best if chunks == "auto" else pred.per_chunks.get(min(int(chunks), region.axis.extent), pred.best)
+        if best is None or t < best[0]:
+            best = (t, region, pred)
+    if best is None:
         return None
-    stages, copy_bytes, add_bytes, dtype = got
-    if not any(st.lane == "compute" for st in stages):
-        return None
-    return cost.predict_stages(stages, site.world, dtype, profile, region.axis.extent, copy_bytes, add_bytes)
+    _, region, pred = best
+    if region.axis != site.region.axis:
+        site.axis, site.region = region.axis, region
+        all_to_all.describe(site, region)
+    return pred
 
 
 def predict_pipeline(site, profile: cost.Profile) -> cost.Prediction | None:
@@ -216,7 +235,9 @@ def _plan_each(sites: list[MatchedSite], options: Options, deps: DepGraph, profi
                 else:
                     site.reason = f"in the region of {reacher.name}: {reacher.reason}"
                 continue
-            pred = predict_region(site, profile, left_out)
+            pred = predict_region(site, profile, left_out, chunks)
+            extent = rule.extent(site)  # the axis the model chose
+            rows = ops.hint(extent)
         elif isinstance(site, all_to_all.A2A_SITES) and site.pipeline is not None:
             first = planned_pipelines.setdefault(site.pipeline.dispatch, site)
             if first is not site:

@@ -349,3 +349,26 @@ def test_dropless_pipelines_are_priced_at_balanced_routing(fake_mesh8, tmp_path)
     owner, follower = [s for s in sites if s.graph == "forward"]
     assert follower.status == "found" and owner.status == "skipped", (owner.status, owner.reason)
     assert f"other all-to-all, {follower.name.split(':')[1]}, is left alone" in owner.reason
+
+
+@pytest.mark.parametrize("half_rows, axis", [(0, "slots"), (4096, "experts")])
+def test_moe_axis_is_the_models_choice(fake_mesh8, tmp_path, half_rows, axis):
+    """Capacity-slot chunks allow more chunks but make every chunk's GEMM stream all the
+    local experts' weights for fewer rows; whole-expert chunks use each weight once. With a
+    rows term (half_rows) the model prefers experts; without, the finer slot pipeline."""
+    prof = json.loads(open(_balanced_profile(tmp_path)).read())
+    prof["gemm"]["float32"] = {"peak_tflops": 20, "eff_max": 1.0, "half_gflop": 0.0, "half_rows": half_rows}
+    prof["link"] = {"alpha_us": 1.0, "beta_gbps": 6}  # the all-to-alls about as long as the experts
+    path = tmp_path / f"rows{half_rows}.json"
+    path.write_text(json.dumps(prof))
+    report = _moe_plan(fake_mesh8, str(path), tokens=8192, dim=2048, hidden=4096, n_experts=32)
+    local, cap = 32 // 8, None
+    for s in report.sites:
+        if s.pattern == "collective" or not s.details.get("predicted"):
+            continue
+        assert s.status == "rewritten", str(report)
+        a = s.details["axis"]
+        if axis == "experts":
+            assert a["extent"] == local and a["inner"] > 1 and s.chunks <= local, a
+        else:
+            assert a["extent"] > local and a["inner"] == 1, a
