@@ -15,13 +15,17 @@ which cuts every peer's block into chunks when the sizes are known and runs the 
 chunk (see that module). The body must be row-wise: each op is pointwise, a matmul of the
 rows by a weight (``mm``, ``_grouped_mm`` with the body's ``offs``), a transpose feeding a
 reduction, or a reduction over rows (``mm(t(a), b)``, ``_grouped_mm(t(a), b, offs)``:
-weight gradients, summed over chunks). Anything else that reads the body's tensors is
-outside the pipeline and gets them whole, after it (activations the backward saves).
+weight gradients). The reductions (with their transposes) are the pipeline's *tail*: they
+run once, whole, on their row operands reassembled from the chunks, after the last
+combine chunk has been issued -- under that chunk's transfer, at the GEMM efficiency of
+all the rows, in the model's own dtype and order (no per-chunk partial sums). Anything
+else that reads the body's tensors is outside the pipeline and gets them whole, after it
+(activations the backward saves).
 """
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -34,7 +38,6 @@ from .deps import DepGraph
 aten = torch.ops.aten
 GROUPED_MM = aten._grouped_mm.default if hasattr(aten, "_grouped_mm") else None
 TRANSPOSES = {aten.t.default, aten.transpose.int}
-LOW_PRECISION = {torch.bfloat16, torch.float16}
 
 PIPELINE = "overlapc_dropless"
 """node.meta key on a dispatch all-to-all: its analysed :class:`Pipeline` (or the reason it has none)."""
@@ -61,6 +64,8 @@ class Pipeline:
     reduced_outputs: list[Node]
     moved: list[Node]
     """Nodes between the dispatch and the combine that read body results: they run after the pipeline."""
+    tail_consts: list[Node] = field(default_factory=list)
+    """Inputs of the tail from outside the body (used whole; e.g. saved activations, transposed)."""
 
 
 def _same_splits(a, b) -> bool:
@@ -154,6 +159,21 @@ def _analyse(d: Node, deps: DepGraph) -> Pipeline:
             raise NotPipelined(f"{a.name} feeds the body but is not computed row by row from the dispatched rows: "
                                "no chunk could start before all of them have arrived")
 
+    # Weight gradients that read the body's rows with an operand from outside it (the saved
+    # activation, transposed), between the all-to-alls or after the combine: the pipeline's
+    # tail (run whole under the last combine chunks instead of after the pipeline).
+    tail_consts: list[Node] = []
+    for n in nodes[pos[w] + 1:]:
+        if n in kinds or n is combine:
+            continue
+        outside = _tail_gemm(n, kinds, pos, pos[d])
+        if outside is None:
+            continue
+        kinds[n] = "reduced"
+        body.append(n)
+        tail_consts += [a for a in outside if a is not offs and roles.get(a) != "row" and a not in tail_consts]
+    body.sort(key=pos.get)
+
     inside = set(body) | {w}
     row_outputs, reduced_outputs = [], []
     for n in [w, *body]:
@@ -167,7 +187,22 @@ def _analyse(d: Node, deps: DepGraph) -> Pipeline:
         (row_outputs if kinds[n] == "row" else reduced_outputs).append(n)
     moved = [n for n in nodes[pos[w] + 1: pos[combine]] if n not in inside and deps.depends(n, w)]
     return Pipeline(d, w, combine, cw, body, kinds, [a for a, r in roles.items() if r == "row"],
-                    [a for a, r in roles.items() if r == "const"], offs, row_outputs, reduced_outputs, moved)
+                    [a for a, r in roles.items() if r == "const"], offs, row_outputs, reduced_outputs, moved,
+                    tail_consts)
+
+
+def _tail_gemm(n: Node, kinds: dict, pos: dict, before: int) -> list[Node] | None:
+    """If ``n`` can run in the tail, its inputs from outside the body, else None: a matmul
+    reading the body's rows whose other inputs exist before position ``before`` (the
+    dispatch) and whose result has no run-time size (a weight gradient)."""
+    if n.op != "call_function" or not (n.target is aten.mm.default or (GROUPED_MM and n.target is GROUPED_MM)):
+        return None
+    v = ops.val(n)
+    if v is None or not all(isinstance(x, int) for x in v.shape) or \
+            not any(kinds.get(a) in ("row", "rowT") for a in n.all_input_nodes):
+        return None
+    outside = [a for a in n.all_input_nodes if a not in kinds]
+    return outside if all(pos[a] < before for a in outside) else None
 
 
 def _pointwise(n: Node) -> bool:
@@ -256,11 +291,11 @@ def pipeline_stages(p: Pipeline):
     exist only at run time); None where a size is not a number.
 
     GEMMs: each matmul of the body over the received rows R (``mm``; ``_grouped_mm``: one
-    call whose groups have R / groups rows each, the rows term's M), and the weight
-    gradients (``mm(t(a), b)``: their rows are not cut, the chunks cut the reduction; each
-    extra chunk adds a float32 partial sum). Copies: the send buffer cut into per-chunk
-    blocks, the combined rows put back in place, and each row input and row output gathered
-    or assembled by chunk."""
+    call whose groups have R / groups rows each, the rows term's M); the weight gradients
+    (``mm(t(a), b)``, the tail) run whole after the last chunk (the compute stage's
+    ``after``, M = a's columns). Copies: the send buffer cut into per-chunk blocks, the
+    combined rows put back in place, each row input gathered and each row output (and row
+    tensor the tail reads) assembled by chunk."""
     from .cost import Stage
 
     def num(*dims) -> int:
@@ -279,7 +314,7 @@ def pipeline_stages(p: Pipeline):
         rows = num(xs.shape[0])
         sent = num(*xs.shape) * xs.element_size()
         returned = rows * num(*back.shape[1:]) * back.element_size()
-        flops, per_call_rows = 0, rows
+        flops, per_call_rows, late, late_calls, late_fm = 0, rows, 0, 0, 0.0
         matmuls = pipeline_matmuls(p)
         for n in matmuls:
             a, b = ops.val(n.args[0]), ops.val(n.args[1])
@@ -287,19 +322,22 @@ def pipeline_stages(p: Pipeline):
                 flops += 2 * rows * num(a.shape[-1]) * num(b.shape[-1])
                 groups = num(b.shape[0]) if n.target is GROUPED_MM else 1
                 per_call_rows = min(per_call_rows, max(1, rows // groups))
-            else:  # weight gradient: (K, R) x (R, N)
-                flops += 2 * rows * num(a.shape[0]) * num(b.shape[-1])
+            else:  # weight gradient, whole after the chunks: (K, R) x (R, N)
+                f = 2 * rows * num(a.shape[0]) * num(b.shape[-1])
+                late, late_calls, late_fm = late + f, late_calls + 1, late_fm + f / num(a.shape[0])
         copied = sent + returned
-        for n in [*p.row_inputs, *p.row_outputs]:
+        extra, _ = _tail_sources(p)
+        for n in [*p.row_inputs, *p.row_outputs, *extra]:
             v = ops.val(n)
             copied += rows * num(*v.shape[1:]) * v.element_size()
-        partials = sum(4 * num(*ops.val(n).shape) for n in p.reduced_outputs)
     except NotPipelined:
         return None
+    body_calls = len(matmuls) - late_calls
     stages = [Stage("comm", "all_to_all", sent),
-              Stage("compute", "gemm", flops, max(len(matmuls), 1), per_call_rows),
+              Stage("compute", "gemm", flops, max(body_calls, 1), per_call_rows, True, late, late_calls,
+                    round(late / late_fm) if late_fm else None),
               Stage("comm", "all_to_all", returned)]
-    return stages, copied, partials, ops.dtype_name(xs)
+    return stages, copied, 0, ops.dtype_name(xs)
 
 
 def can_pipeline(site, deps: DepGraph) -> str | None:
@@ -332,13 +370,13 @@ def rewrite(site, chunks: int, site_of) -> None:
         shapes.append((rows, tail, v.dtype))
     runner = DroplessPipeline(body=_body(p), group_name=ops.group_name(p.dispatch), chunks=chunks,
                               n_row_inputs=len(p.row_inputs), n_row_outputs=len(p.row_outputs),
-                              reduced_dtypes=[ops.val(n).dtype for n in p.reduced_outputs], site=site.name,
-                              out_shapes=shapes)
+                              tail=_tail(p), tail_sources=_tail_sources(p)[1], n_tail_consts=len(p.tail_consts),
+                              site=site.name, out_shapes=shapes)
     out_s, in_s = p.dispatch.args[1], p.dispatch.args[2]
     with graph.inserting_before(p.combine):
         call = graph.call_function(torch.ops.overlapc.dropless_pipeline.default,
                                    (register(runner), p.dispatch.args[0], list(in_s), list(out_s), p.offs,
-                                    list(p.row_inputs), list(p.consts)))
+                                    list(p.row_inputs), [*p.consts, *p.tail_consts]))
         call.meta["val"] = [n.meta.get("val") for n in results]
         call.meta["overlapc"] = True
         for k in ("nn_module_stack", "stack_trace"):
@@ -374,7 +412,42 @@ def rewrite(site, chunks: int, site_of) -> None:
     site.details["rows"] = "at run time"  # row counts may differ across ranks (overlapc/agree.py)
 
 
+def _tail_nodes(p: Pipeline) -> list[Node]:
+    """The reductions over rows and the transposes feeding them (only they read a transpose)."""
+    return [n for n in p.nodes if p.kinds[n] in ("reduced", "rowT")]
+
+
+def _tail_rows(p: Pipeline) -> list[Node]:
+    """The row tensors the tail reads (the sources of its transposes, its right operands),
+    in order of first use."""
+    tail = set(_tail_nodes(p))
+    out: list[Node] = []
+    for n in _tail_nodes(p):
+        for a in n.all_input_nodes:
+            if a not in tail and (p.kinds.get(a) == "row" or a in p.row_inputs) and a not in out:
+                out.append(a)
+    return out
+
+
+def _tail_sources(p: Pipeline) -> tuple[list[Node], list[tuple[str, int]]]:
+    """(the tail rows the body must return, where each tail row comes from): ("input", j) a
+    row input, passed whole; ("row_output", i) a row output, assembled anyway; ("body", k)
+    the k-th extra body output, assembled for the tail."""
+    extra, sources = [], []
+    for r in _tail_rows(p):
+        if r in p.row_inputs:
+            sources.append(("input", p.row_inputs.index(r)))
+        elif r in p.row_outputs:
+            sources.append(("row_output", p.row_outputs.index(r)))
+        else:
+            sources.append(("body", len(extra)))
+            extra.append(r)
+    return extra, sources
+
+
 def _body(p: Pipeline) -> GraphModule:
+    """The per-chunk graph: (recv, offs, *row_inputs, *consts) -> (combine input, *row
+    outputs, *the tail rows it computes)."""
     g = Graph()
     env: dict[Node, Node] = {p.dispatch_wait: g.placeholder("recv")}
     offs = g.placeholder("offs")
@@ -384,18 +457,28 @@ def _body(p: Pipeline) -> GraphModule:
         env[n] = g.placeholder(f"row_{i}")
     for i, n in enumerate(p.consts):
         env[n] = g.placeholder(f"const_{i}")
+    tail = set(_tail_nodes(p))
     for n in p.nodes:
-        if p.kinds[n] == "reduced" and ops.val(n).dtype in LOW_PRECISION:
-            # Partials over chunks are summed: compute them in fp32 so that no partial is
-            # rounded to bf16/fp16 (the run-time op casts the sum back once).
-            def up(a):
-                if a is p.offs or not isinstance(a, Node):
-                    return env[a] if isinstance(a, Node) else a
-                return g.call_function(aten._to_copy.default, (env[a],), {"dtype": torch.float32})
-            args = tuple(up(a) for a in n.args)
-            kwargs = {k: up(v) for k, v in n.kwargs.items()}
-            env[n] = g.call_function(n.target, args, kwargs)
-        else:
+        if n not in tail:
             env[n] = g.node_copy(n, lambda a: env[a])
-    g.output((env[p.combine.args[0]], *[env[n] for n in p.row_outputs], *[env[n] for n in p.reduced_outputs]))
+    extra, _ = _tail_sources(p)
+    g.output((env[p.combine.args[0]], *[env[n] for n in p.row_outputs], *[env[n] for n in extra]))
+    return GraphModule(torch.nn.Module(), g)
+
+
+def _tail(p: Pipeline) -> GraphModule | None:
+    """The whole-rows graph of the reductions: (*tail rows, offs, *tail consts) -> reduced outputs."""
+    nodes = _tail_nodes(p)
+    if not nodes:
+        return None
+    g = Graph()
+    env: dict[Node, Node] = {r: g.placeholder(f"rows_{i}") for i, r in enumerate(_tail_rows(p))}
+    offs = g.placeholder("offs")
+    if p.offs is not None:
+        env[p.offs] = offs
+    for i, n in enumerate(p.tail_consts):
+        env[n] = g.placeholder(f"const_{i}")
+    for n in nodes:
+        env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(tuple(env[n] for n in p.reduced_outputs))
     return GraphModule(torch.nn.Module(), g)

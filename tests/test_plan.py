@@ -337,6 +337,17 @@ def test_dropless_pipelines_are_priced_at_balanced_routing(fake_mesh8, tmp_path)
     for s in sites:
         if s.graph == "backward":
             assert "predicted" not in s.details and s.status == "rewritten" and s.chunks == 4
+    # Its weight gradients are the pipeline's tail, whole (grouped matmuls of t(rows)); the
+    # input gradients run per chunk in the body.
+    from overlapc.passes.dropless import GROUPED_MM
+    from overlapc.runtime.dropless import _PIPELINES
+
+    runners = {r.site: r for r in _PIPELINES.values()}
+    bw = runners[next(s.name for s in sites if s.graph == "backward" and s.name in runners)]
+    fw = runners[owner.name]
+    mms = lambda g: sum(n.target is GROUPED_MM for n in g.graph.nodes)  # noqa: E731
+    assert fw.tail is None and mms(fw.body) == 3
+    assert mms(bw.tail) == 3 and mms(bw.body) == 3 and len(bw.tail_sources) >= 2, bw.tail.code
     # Tiny pipeline on H100 NVLink: latency outweighs what there is to hide; the pair is skipped.
     _, sites = _dropless_sites(fake_mesh8, "h100-nvlink")
     owner, follower = [s for s in sites if s.graph == "forward"]

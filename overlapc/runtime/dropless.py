@@ -15,15 +15,17 @@ so sender and receiver agree without exchanging anything. Then::
 
     dispatch chunk 0..C-1 issued at once (async)
     for c: wait dispatch c; body(rows of chunk c); issue combine c (async)
+    tail(whole rows): the weight gradients, under the last combines
     wait combines; put the returned rows where they belong
 
 ``body`` is the graph between the two all-to-alls, replayed per chunk. It is row-wise:
 every output row depends only on the same input row (pointwise ops, ``mm`` by a weight,
-grouped ``_grouped_mm`` by a weight, where the groups are given by ``offs``) except
-*reduced* outputs (weight gradients: ``_grouped_mm(t(a), b, offs)``, ``mm(t(a), b)``),
-which are sums over rows and come out of the pipeline as the sum of per-chunk partials,
-accumulated in fp32. A group (an expert's rows from one source) may be cut by a chunk
-boundary; each chunk's ``offs`` counts the rows of every group that fall into it.
+grouped ``_grouped_mm`` by a weight, where the groups are given by ``offs``). Reductions
+over rows (weight gradients: ``_grouped_mm(t(a), b, offs)``, ``mm(t(a), b)``) are the
+*tail*: run once, after the last combine chunk is issued and before the combines are
+waited on, on their row operands whole (reassembled from the chunks). A group (an
+expert's rows from one source) may be cut by a chunk boundary; each chunk's ``offs``
+counts the rows of every group that fall into it.
 """
 from __future__ import annotations
 
@@ -58,15 +60,21 @@ class DroplessPipeline:
     [back, *row_outputs, *reduced_outputs]``.
 
     body: GraphModule ``(recv, offs, *row_inputs, *consts) -> (combine_input, *row_outputs,
-    *reduced_outputs)``; row inputs are tensors aligned with ``recv``'s rows that come from
+    *tail rows)``; row inputs are tensors aligned with ``recv``'s rows that come from
     elsewhere (activations saved by the forward graph); consts are used whole (weights).
+    tail: GraphModule ``(*tail rows whole, offs, *tail consts) -> reduced_outputs`` or None;
+    ``tail_sources[i]`` says where its i-th input comes from: ("input", j) row input j,
+    ("row_output", j) row output j, ("body", k) the body's k-th extra output.
     """
     body: GraphModule
     group_name: str
     chunks: int
     n_row_inputs: int
     n_row_outputs: int
-    reduced_dtypes: list[torch.dtype]
+    tail: GraphModule | None = None
+    tail_sources: list = None
+    n_tail_consts: int = 0
+    """The last ``n_tail_consts`` consts are the tail's (after the tail rows and offs), not the body's."""
     site: str = ""
     out_shapes: list = None
     """Per output: ("sent" | "received" | None, trailing shape, dtype): rows = rows sent,
@@ -103,6 +111,8 @@ class DroplessPipeline:
                 raise RuntimeError(f"overlapc: dropless pipeline {self.site}: the grouped matmul's offsets end at "
                                    f"{int(group_ends[-1])}, but {total_out} rows were received")
         xs = xs.contiguous()
+        split = len(consts) - self.n_tail_consts
+        consts, tail_consts = consts[:split], consts[split:]
 
         # Dispatch: every chunk issued at once.
         dispatched = []
@@ -114,8 +124,9 @@ class DroplessPipeline:
             work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group, async_op=True)
             dispatched.append((work, recv, send_sizes, recv_sizes))
 
-        row_parts: list[list[torch.Tensor]] = [[] for _ in range(self.n_row_outputs)]
-        reduced: list[torch.Tensor | None] = [None] * len(self.reduced_dtypes)
+        sources = self.tail_sources or []
+        n_extra = sum(1 for kind, _ in sources if kind == "body")
+        row_parts: list[list[torch.Tensor]] = [[] for _ in range(self.n_row_outputs + n_extra)]
         combined = []
         rows_of_chunk = []
         for c, (work, recv, send_sizes, recv_sizes) in enumerate(dispatched):
@@ -131,11 +142,16 @@ class DroplessPipeline:
             back = out.new_empty((sum(send_sizes), *out.shape[1:]))
             cw = dist.all_to_all_single(back, out, send_sizes, recv_sizes, group=group, async_op=True)
             combined.append((cw, back))
-            for i in range(self.n_row_outputs):
-                row_parts[i].append(outs[1 + i])
-            for i, p in enumerate(outs[1 + self.n_row_outputs:]):
-                p = p.float()
-                reduced[i] = p if reduced[i] is None else reduced[i] + p
+            for i, part in enumerate(outs[1:]):
+                row_parts[i].append(part)
+
+        # While the last combines are on the wire: the whole rows, and the tail on them.
+        wholes = [_assemble(parts, rows_of_chunk, total_out) for parts in row_parts]
+        row_outputs, extra = wholes[:self.n_row_outputs], wholes[self.n_row_outputs:]
+        reduced_out = []
+        if self.tail is not None:
+            pick = {"input": row_inputs, "row_output": row_outputs, "body": extra}
+            reduced_out = list(self.tail(*[pick[kind][i] for kind, i in sources], offs, *tail_consts))
 
         # Rows come home: chunk c of my block for rank r is rows [b(c), b(c+1)) of that block.
         backs = []
@@ -143,8 +159,6 @@ class DroplessPipeline:
             cw.wait()
             backs.append(back)
         result = _place(backs, start_in, b_in, xs.shape[0])
-        row_outputs = [_assemble(parts, rows_of_chunk, total_out) for parts in row_parts]
-        reduced_out = [r.to(dt) for r, dt in zip(reduced, self.reduced_dtypes)]
         return [result, *row_outputs, *reduced_out]
 
 
