@@ -102,9 +102,9 @@ def predict_region(site, profile: cost.Profile, left_out=frozenset(), chunks="au
     (``left_out``: strategy "none", below min_bytes). Of the candidate axes (MoE: capacity
     slots or whole experts) the one predicted fastest at ``chunks`` (its best count under
     "auto"; of the axes with room for a fixed count) becomes the site's (``site.axis``,
-    ``site.region``): slot chunks multiply every
-    local expert's weights per chunk, expert chunks each weight once but allow only as many
-    chunks as there are local experts; the model's rows term tells them apart."""
+    ``site.region``): slot chunks multiply every local expert's weights per chunk, expert
+    chunks each weight once but allow only as many chunks as there are local experts; the
+    model's rows term tells them apart."""
     best = None
     regions = all_to_all.candidate_regions(site, lambda coll: coll is site.coll or coll not in left_out)
     if chunks != "auto":  # a count the user asked for: the axes that can honour it, if any can
