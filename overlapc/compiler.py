@@ -297,7 +297,11 @@ def reorder_scheduler_nodes(nodes: list) -> list:
     early = {n for n in nodes if getattr(n, "node", None) is not None and is_collective(n.node)
              and not is_wait(n.node)}
     late = {n for n in nodes if getattr(n, "node", None) is not None and is_wait(n.node)}
-    return list_schedule(nodes, preds, early, late, collectives=early)
+    try:
+        return list_schedule(nodes, preds, early, late, collectives=early)
+    except RuntimeError as e:  # an FX scheduling edge that inductor's fusion turned into a cycle
+        log.warning("overlapc: kept inductor's node order (%s)", e)
+        return nodes
 
 
 def _brief(opts: Options) -> str:

@@ -353,17 +353,29 @@ def region_stages(region: ax.Region):
     return stages, copy_bytes, add_bytes, dtype or "float32"
 
 
-def _run_after(deferred: list[Node], last_chunk_coll: Node) -> None:
-    """Order the deferred sums behind the region's last chunked all-to-all (a scheduling
-    edge, passes/schedule.ISSUE_AFTER). The schedule would otherwise run compute that feeds
+def _anchors(region: ax.Region) -> dict[Node, Node]:
+    """Per deferred sum, the all-to-all it is ordered behind (:func:`_run_after`): the first
+    one fed from its level or later (the one that justified deferring it, and whose stage
+    the cost model puts it after)."""
+    if not region.deferred:
+        return {}
+    order = {n: i for i, n in enumerate(region.steps[0].node.graph.nodes)}
+    level = ax.levels(sorted([st.node for st in region.steps] + region.deferred, key=order.get))
+    colls = sorted(region.collectives, key=lambda c: (level[c], order[c]))
+    return {n: next((c for c in colls if level[c] - 1 >= level[n]), colls[-1]) for n in region.deferred}
+
+
+def _run_after(anchors: dict[Node, Node], last_chunk: dict) -> None:
+    """Order each deferred sum behind the last chunk of its anchor all-to-all: a scheduling
+    edge (passes/schedule.ISSUE_AFTER). The schedule would otherwise run compute that feeds
     no collective as early as its position allows, and the rewrite's node order is no
     guide: the whole weight gradients then ran before the last chunk's input gradients and
     held back its transfer (the world-2 MoE training step's last all-to-all chunk started
-    after them). So ordered, they run under the last chunks' transfers."""
+    after them). So ordered, they run under that transfer."""
     from .schedule import ISSUE_AFTER
 
-    for n in deferred:
-        n.meta[ISSUE_AFTER] = last_chunk_coll.name
+    for n, coll in anchors.items():
+        n.meta[ISSUE_AFTER] = last_chunk[coll].name
 
 
 def rewrite(site, chunks: int) -> None:
@@ -403,6 +415,7 @@ def rewrite(site, chunks: int) -> None:
         return False
     describe(site, region)
     graph = site.coll.graph
+    anchors = _anchors(region)  # before the replay erases the region's nodes
     sizes = chunk_sizes(region.axis.extent, chunks)
     b = Builder(graph, like=site.coll)
     with graph.inserting_before(site.coll):
@@ -429,6 +442,5 @@ def rewrite(site, chunks: int) -> None:
             other.details.update(axis=site.details["axis"], chained_from=site.name)
             other.details.pop("chained", None)
     remove_dead_nodes(graph)
-    if region.deferred:
-        _run_after(region.deferred, pieces[-1][region.collectives[-1]])
+    _run_after(anchors, pieces[-1])
     site.details["chunk_sizes"] = sizes

@@ -286,7 +286,7 @@ def pipeline_matmuls(p: Pipeline) -> list[Node]:
 def pipeline_stages(p: Pipeline):
     """The cost model's view of a dropless pipeline, as passes/all_to_all.region_stages gives
     a region's: ([dispatch all-to-all, the body's GEMMs, combine all-to-all], bytes the
-    run-time op copies, bytes of partial sums added per extra chunk, dtype), priced as if
+    run-time op copies, 0 (no partial sums: the weight gradients run whole), dtype), priced as if
     routing were balanced (every rank receives as many rows as it sends: the split sizes
     exist only at run time); None where a size is not a number.
 

@@ -100,8 +100,8 @@ def predict_region(site, profile: cost.Profile, left_out=frozenset(), chunks="au
     """The cost model's view of an all-to-all site's region (passes/all_to_all.region_stages),
     grown as the rewrite will grow it: without the all-to-alls of sites left alone
     (``left_out``: strategy "none", below min_bytes). Of the candidate axes (MoE: capacity
-    slots or whole experts) the one predicted fastest at ``chunks`` (its best count under
-    "auto"; of the axes with room for a fixed count) becomes the site's (``site.axis``,
+    slots or whole experts) the one predicted to save the most at ``chunks`` (its best count
+    under "auto"; of the axes with room for a fixed count) becomes the site's (``site.axis``,
     ``site.region``): slot chunks multiply every local expert's weights per chunk, expert
     chunks each weight once but allow only as many chunks as there are local experts; the
     model's rows term tells them apart."""
@@ -118,14 +118,16 @@ def predict_region(site, profile: cost.Profile, left_out=frozenset(), chunks="au
             continue
         pred = cost.predict_stages(stages, site.world, dtype, profile, region.axis.extent, copy_bytes, add_bytes)
         t = pred.best if chunks == "auto" else pred.per_chunks.get(min(int(chunks), region.axis.extent), pred.best)
-        if best is None or t < best[0]:
-            best = (t, region, pred)
+        # Regions of different axes may take in different GEMMs: compare what each saves.
+        if best is None or pred.base - t > best[0]:
+            best = (pred.base - t, region, pred)
     if best is None:
         return None
     _, region, pred = best
-    if region.axis != site.region.axis:
-        site.axis, site.region = region.axis, region
-        all_to_all.describe(site, region)
+    site.axis, site.region = region.axis, region  # the rewrite grows this axis's region
+    all_to_all.describe(site, region)
+    for c in region.collectives:
+        c.meta[all_to_all.REACHED] = site
     return pred
 
 

@@ -178,3 +178,14 @@ def test_inductor_keeps_the_overlap(fake_mesh8):
     assert len(rs_pos) == CHUNKS and rs_pos[0] < last_mm, kinds
     assert all(k == "wait" for k in kinds[last_mm + 1:] if k != "rs"), kinds
     assert re.search(r"reduce_scatter_tensor\.default\(", code)
+
+
+def test_scheduling_edges_may_point_forward():
+    """An ISSUE_AFTER edge (a deferred weight gradient after the last chunk's all-to-all)
+    may name a node later in the current order: the result still respects it."""
+    from overlapc.passes.schedule import list_schedule
+
+    items = ["wgrad", "dgrad", "coll", "wait"]
+    preds = {"wgrad": ["coll"], "coll": ["dgrad"], "wait": ["coll"]}
+    order = list_schedule(items, preds, early={"coll"}, late={"wait"}, collectives={"coll"})
+    assert order.index("dgrad") < order.index("coll") < order.index("wgrad") < order.index("wait"), order
