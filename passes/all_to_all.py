@@ -284,8 +284,7 @@ def region_stages(region: ax.Region):
     the GEMMs)."""
     from . import cost
 
-    order = {n: i for i, n in enumerate(region.steps[0].node.graph.nodes)} if region.steps else {}
-    level = ax.levels(sorted([st.node for st in region.steps] + region.deferred, key=order.get))
+    level = region.levels()
     gemms: dict[int, _Gemms] = {}  # compute stage -> its GEMMs
     after: dict[int, _Gemms] = {}  # compute stage -> its deferred sums
     comm: dict[int, list] = {}  # comm stage -> [bytes, collectives]
@@ -359,9 +358,8 @@ def _anchors(region: ax.Region) -> dict[Node, Node]:
     the cost model puts it after)."""
     if not region.deferred:
         return {}
-    order = {n: i for i, n in enumerate(region.steps[0].node.graph.nodes)}
-    level = ax.levels(sorted([st.node for st in region.steps] + region.deferred, key=order.get))
-    colls = sorted(region.collectives, key=lambda c: (level[c], order[c]))
+    level = region.levels()
+    colls = sorted(region.collectives, key=lambda c: level[c])  # stable: graph order within a level
     return {n: next((c for c in colls if level[c] - 1 >= level[n]), colls[-1]) for n in region.deferred}
 
 
