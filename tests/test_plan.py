@@ -3,6 +3,7 @@ and `overlapc calibrate`. Predictions are checked against the formulas, not agai
 timings (those are in benchmarks/bench_plan.py)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -116,6 +117,28 @@ def test_skinny_gemms_pay_the_rows_term():
     fr = cost.chunk_fracs(4, 512)
     assert sum(map(float, cost.stage_times(cut, fr, 8, g, p))) == pytest.approx(f / 1e12 * 1.5)
     assert sum(map(float, cost.stage_times(kept, fr, 8, g, p))) == pytest.approx(f / 1e12 * 1.125)
+
+
+def test_concurrent_reductions_hide_latency_under_a_neighbours_transfer():
+    # gloo: chunked reduce-scatters issued at once run two at a time. Bandwidth-bound chunks
+    # cost what the whole does (each later chunk adds its transfer only); latency-bound ones
+    # add half their time each (two threads).
+    serial = dataclasses.replace(cost.load_profile("h100-nvlink"), rs_factor=2.0, concurrent_reductions=False)
+    p = dataclasses.replace(serial, concurrent_reductions=True, comm_threads=2)
+    B = 1 << 30
+    st = cost.Stage("comm", "reduce_scatter", B)
+    fr = cost.chunk_fracs(8)
+    lat = float(cost.t_comm("reduce_scatter", 0, 4, p))
+    big = [float(t) for t in cost.stage_times(st, fr, 4, None, p)]
+    whole = float(cost.t_comm("reduce_scatter", B, 4, p))
+    assert big[0] == pytest.approx(float(cost.t_comm("reduce_scatter", B * fr[0], 4, p)))
+    assert sum(big) == pytest.approx(whole)
+    tiny = [float(t) for t in cost.stage_times(cost.Stage("comm", "reduce_scatter", 4096), fr, 4, None, p)]
+    one = [float(cost.t_comm("reduce_scatter", 4096 * f, 4, p)) for f in fr]
+    assert tiny[0] == pytest.approx(one[0]) and tiny[0] > lat
+    assert tiny[1:] == pytest.approx([t / 2 for t in one[1:]])
+    # Without concurrency (NCCL on one stream) every chunk pays its whole time.
+    assert sum(float(t) for t in cost.stage_times(st, fr, 4, None, serial)) == pytest.approx(whole + 7 * lat)
 
 
 def test_pipeline_matches_flow_plus_overheads():
