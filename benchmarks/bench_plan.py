@@ -85,12 +85,21 @@ def plan_job(kind: str, shape, profile_path: str, iters: int) -> dict:
     for s in steps.values():
         s()
         s()
-    times = common.interleaved(steps, iters)
+    rounds = _rounds(steps["base"], iters)
+    times = common.interleaved(steps, rounds)
     med = {k: statistics.median(v) for k, v in times.items()}
     site = next(s for s in reports["auto"].report.sites if s.pattern != "collective" and s.details.get("predicted"))
     pred = site.details["predicted"]
     return {"kind": kind, "shape": list(shape), "world": world, "t": med, "predicted": pred,
-            "auto_chunks": site.chunks, "spread": {k: [min(v), max(v)] for k, v in times.items()}}
+            "auto_chunks": site.chunks, "rounds": rounds, "spread": {k: [min(v), max(v)] for k, v in times.items()}}
+
+
+def _rounds(step, iters: int, budget_s: float = 1.5, most: int = 31) -> int:
+    """Rounds of the interleaved timing: ``iters``, or more for short steps, up to ``most``,
+    so that each variant is timed for about ``budget_s`` in all. Two copies of one ~40 ms
+    program differ by up to ~10% in a median of 15 rounds here, as much as the chunk counts
+    being compared; longer steps are steadier. The same number on every rank (the slowest's)."""
+    return int(min(most, max(iters, -(-budget_s // common.timed(step)))))
 
 
 def run(args) -> list[dict]:
@@ -173,7 +182,9 @@ def report(rows, cmd: str) -> None:
         f"top-2, capacity factor 1.25; (tokens per rank, dim, hidden) in {MOE_SHAPES}), world sizes {sorted({r['world'] for r in rows})}, link rates "
         f"{sorted({r['rate_mbit'] for r in rows})} Mbit/s on the emulated cluster. The profile of each "
         "(world, rate) is calibrated in the same run (`overlapc calibrate` inside the cluster). Measured: "
-        "medians of interleaved steps, baseline vs the planner's chunk count (strategy decompose, chunks auto) "
+        "medians of interleaved steps (each round in a new random order; "
+        f"{min(r.get('rounds', 7) for r in rows)}-{max(r.get('rounds', 7) for r in rows)} rounds: "
+        "at least --iters, more for short steps, about 1.5 s per variant), baseline vs the planner's chunk count (strategy decompose, chunks auto) "
         f"vs fixed counts {CHUNKS}.",
         "",
         f"Reproduce: `{cmd}`",
@@ -206,7 +217,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_plan")
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     p.add_argument("--rates", type=float, nargs="+", default=[1000.0, 3000.0])
-    p.add_argument("--iters", type=int, default=7)
+    p.add_argument("--iters", type=int, default=7, help="rounds at least (short steps get more, up to 31)")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     p.add_argument("--from-json", action="store_true",
                    help="rewrite the BENCHMARKS.md section from benchmarks/results/plan.json (no measuring)")
