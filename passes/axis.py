@@ -18,7 +18,8 @@ gradients of a MoE backward) also runs whole, once, after the last chunk: there 
 the time the last chunks of that all-to-all are on the wire, at the GEMM efficiency of
 the whole rows and without the partials' extra passes over its output (measured on the
 world-2 MoE training step with the collectives stripped: the partials' adds alone cost
-255 ms of an 887 ms step; with the sums deferred the step took 720 ms). An all-to-all fed by the region is a *terminal*: it can run chunk by
+255 ms of an 887 ms step; with the sums deferred the step took 720 ms); in bf16/fp16 too,
+where it is whole anyway. An all-to-all fed by the region is a *terminal*: it can run chunk by
 chunk, so chunk c of the next collective waits only for chunk c of the first. Everything
 else reads the region's tensors whole, rebuilt from their chunks.
 
@@ -358,9 +359,11 @@ class _Grower:
     """Builds a region: pulls the seed's chunks from as far upstream as they can come
     (through the all-to-all itself, layout ops, matmuls), then grows downstream."""
 
-    def __init__(self, may_chain, defer=frozenset()):
+    def __init__(self, may_chain, defer=frozenset(), probe: bool = False):
         self.may_chain = may_chain
         self.defer = defer
+        self.probe = probe
+        """Admit low-precision sums over the axis too (as candidates for deferral only)."""
         self.axes: dict[Node, Axis] = {}
         self.seeds: set[Node] = set()
         self.steps: dict[Node, Step] = {}
@@ -415,7 +418,7 @@ class _Grower:
             if node in self.defer or (node.target is ops.ALL_TO_ALL and not self.may_chain(node)):
                 continue
             st = step_of(node, self.axes)
-            if st is None or (st.axis is None and ops.val(node).dtype in LOW_PRECISION):
+            if st is None or (st.axis is None and ops.val(node).dtype in LOW_PRECISION and not self.probe):
                 # A low-precision reduction over the axis stays whole, on operands rebuilt from
                 # the chunks: per-chunk partials would each be rounded before the sum.
                 continue
@@ -493,12 +496,14 @@ def _perm(node: Node, rank: int) -> list[int]:
 def grow(start: Node, axis: Axis, may_chain=lambda coll: True) -> Region | None:
     """The region of ``start`` (a collective's wait) chunked along ``axis`` (None: the
     collective itself cannot be chunked so)."""
-    g = _Grower(may_chain)
+    g = _Grower(may_chain, probe=True)
     if not g.pull(start, axis) or start in g.seeds:
         return None
     g.grow(start.graph)
     defer = _deferrable(g.steps)
-    if defer:  # grown again without them: their operands become tensors read whole
+    if defer or any(st.axis is None and ops.val(n).dtype in LOW_PRECISION for n, st in g.steps.items()):
+        # Grown again without them (their operands become tensors read whole), and without
+        # the low-precision sums that cannot be deferred (they stay whole where they are).
         g = _Grower(may_chain, frozenset(defer))
         g.pull(start, axis)
         g.grow(start.graph)

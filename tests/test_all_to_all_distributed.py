@@ -109,8 +109,8 @@ def moe_job(config: dict, routings: list) -> dict:
 
 def _check_sites(result, chunks):
     """All four sites rewritten. Forward chunks the capacity slots as asked; backward may
-    pick the expert axis instead (in bf16 it keeps the weight gradients chunked: see
-    passes/axis.py), which has only n_experts / world values: chunks clamped to that."""
+    pick the expert axis instead (the cost model's choice, passes/plan.predict_region),
+    which has only n_experts / world values: chunks clamped to that."""
     sites = result["sites"]
     assert [(g, p, st) for g, p, st, _ in sites] == sorted(
         (g, p, "rewritten") for g in ("forward", "backward")

@@ -107,12 +107,12 @@ def test_moe_counts(fake_mesh8, form):
     assert len(fw.matmuls) == 2  # w1 and w3 (8 experts over 8 ranks: one local expert)
 
 
-@pytest.mark.parametrize("form", ["bmm", "loop"])
-def test_moe_decomposed_along_capacity(fake_mesh8, form):
+@pytest.mark.parametrize("form,dtype", [("bmm", "float32"), ("loop", "float32"), ("bmm", "bfloat16")])
+def test_moe_decomposed_along_capacity(fake_mesh8, form, dtype):
     """Each dispatch all-to-all is chunked along the capacity slots (Axis(0, cap): 8 experts
     over 8 ranks leave one local expert, so chunking experts is impossible) and its combine
     all-to-all is chained to it, forward and backward."""
-    model, inputs = moe.build_ep(fake_mesh8, expert_form=form, tokens=64)
+    model, inputs = moe.build_ep(fake_mesh8, expert_form=form, tokens=64, dtype=dtype)
     cap = moe.capacity(model.cfg, 64)
     report, graphs = capture(model, *inputs, options={"strategy": "decompose", "chunks": 3})
     sites = [s for s in report.sites if s.pattern != "collective"]
@@ -123,7 +123,8 @@ def test_moe_decomposed_along_capacity(fake_mesh8, form):
     for s in report.by(pattern="matmul_all_to_all"):
         assert s.details["chained_from"].endswith("all_to_all_matmul")
     # The expert weight gradients (sums over the capacity slots, read by nothing in the region,
-    # followed by the dispatch's grad all-to-all) run whole after the chunks, not as partials.
+    # followed by the dispatch's grad all-to-all) run whole after the chunks, not as partials
+    # (in bf16 they are whole anyway: they are still ordered after the chunks).
     bw = report.by(graph="backward", pattern="all_to_all_matmul")[0]
     assert len(bw.details["whole_after_chunks"]) == 3, bw.details  # w1, w2, w3
     # ... scheduled after every chunk's all-to-all has been issued (under the last transfers).
