@@ -5,7 +5,12 @@ import random
 
 import torch
 
-from overlapc.runtime.dropless import _chunk_offsets, _place, _rows, _starts, boundaries, chunk_weights
+from overlapc.runtime.dropless import _chunk_offsets, _place, _starts, _take, boundaries, chunk_weights
+
+
+def _rows(starts, bounds, c) -> torch.Tensor:
+    """Indices (in the full received buffer) of the rows of chunk ``c``, in chunk order."""
+    return torch.cat([torch.arange(s + b[c], s + b[c + 1]) for s, b in zip(starts, bounds)])
 
 
 def test_boundaries_cover_every_row_once():
@@ -28,8 +33,9 @@ def test_chunk_offsets_count_each_group_in_each_chunk():
         starts, bounds = _starts(splits), [boundaries(n, chunk_weights(chunks)) for n in splits]
         seen = []
         for c in range(chunks):
-            idx = _rows(starts, bounds, c, "cpu")
+            idx = _rows(starts, bounds, c)
             seen.append(idx)
+            assert torch.equal(_take(label, starts, bounds, c), label[idx])
             want = torch.cumsum(torch.bincount(label[idx], minlength=len(counts)), 0)
             assert torch.equal(_chunk_offsets(ends, starts, bounds, c), want), (counts, c)
             assert torch.equal(label[idx], label[idx].sort().values)  # groups stay in order

@@ -128,14 +128,11 @@ class DroplessPipeline:
         n_extra = sum(1 for kind, _ in sources if kind == "body")
         row_parts: list[list[torch.Tensor]] = [[] for _ in range(self.n_row_outputs + n_extra)]
         combined = []
-        rows_of_chunk = []
         for c, (work, recv, send_sizes, recv_sizes) in enumerate(dispatched):
-            idx = _rows(start_out, b_out, c, xs.device)
-            rows_of_chunk.append(idx)
             offs_c = None
             if group_ends is not None:
                 offs_c = _chunk_offsets(group_ends, start_out, b_out, c).to(offs.dtype)
-            row_in = [t.index_select(0, idx) for t in row_inputs]
+            row_in = [_take(t, start_out, b_out, c) for t in row_inputs]
             work.wait()
             outs = self.body(recv, offs_c, *row_in, *consts)
             out = outs[0].contiguous()
@@ -146,7 +143,7 @@ class DroplessPipeline:
                 row_parts[i].append(part)
 
         # While the last combines are on the wire: the whole rows, and the tail on them.
-        wholes = [_assemble(parts, rows_of_chunk, total_out) for parts in row_parts]
+        wholes = [_place(parts, start_out, b_out, total_out) for parts in row_parts]
         row_outputs, extra = wholes[:self.n_row_outputs], wholes[self.n_row_outputs:]
         reduced_out = []
         if self.tail is not None:
@@ -170,10 +167,12 @@ def _starts(splits: list[int]) -> list[int]:
     return out
 
 
-def _rows(starts, bounds, c, device) -> torch.Tensor:
-    """Indices (in the full received buffer) of the rows of chunk ``c``, in chunk order."""
-    parts = [torch.arange(s + b[c], s + b[c + 1], device=device) for s, b in zip(starts, bounds)]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
+def _take(t: torch.Tensor, starts, bounds, c) -> torch.Tensor:
+    """The rows of chunk ``c`` of ``t`` (aligned with the received buffer), in chunk order:
+    one contiguous range per source block. (Put back by :func:`_place`, slice by slice: an
+    index_copy_ of the same rows took 2.5x as long, bf16 rows of 1024-2048, one thread.)"""
+    parts = [t[s + b[c]: s + b[c + 1]] for s, b in zip(starts, bounds)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _chunk_offsets(group_ends: torch.Tensor, starts, bounds, c) -> torch.Tensor:
@@ -200,13 +199,6 @@ def _place(parts, starts, bounds, n_rows) -> torch.Tensor:
             n = b[c + 1] - b[c]
             out[s + b[c]: s + b[c + 1]] = part[off: off + n]
             off += n
-    return out
-
-
-def _assemble(parts, rows_of_chunk, n_rows) -> torch.Tensor:
-    out = parts[0].new_empty((n_rows, *parts[0].shape[1:]))
-    for part, idx in zip(parts, rows_of_chunk):
-        out.index_copy_(0, idx, part)
     return out
 
 
