@@ -13,8 +13,8 @@ chunk ``c`` of the block exchanged with rank ``r`` is rows ``[b(n_r, c), b(n_r, 
 of that block, where ``b`` depends only on the block's size ``n_r`` and the chunk count,
 so sender and receiver agree without exchanging anything. Then::
 
-    dispatch chunk 0..C-1 issued at once (async)
-    for c: wait dispatch c; body(rows of chunk c); issue combine c (async)
+    issue dispatch chunk 0 (async)
+    for c: wait dispatch c; issue dispatch c + 1; body(rows of chunk c); issue combine c
     tail(whole rows): the weight gradients, under the last combines
     wait combines; put the returned rows where they belong
 
@@ -114,26 +114,31 @@ class DroplessPipeline:
         split = len(consts) - self.n_tail_consts
         consts, tail_consts = consts[:split], consts[split:]
 
-        # Dispatch: every chunk issued at once.
-        dispatched = []
-        for c in range(self.chunks):
+        # Dispatch: chunk c + 1 is issued once chunk c has arrived, not all at once: chunks
+        # in flight together share the link and the first arrives late (passes/all_to_all.
+        # _one_at_a_time has the measurements).
+        def dispatch(c):
             send_sizes = [b[c + 1] - b[c] for b in b_in]
             recv_sizes = [b[c + 1] - b[c] for b in b_out]
             send = torch.cat([xs[s + b[c]: s + b[c + 1]] for s, b in zip(start_in, b_in)])
             recv = xs.new_empty((sum(recv_sizes), *xs.shape[1:]))
             work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group, async_op=True)
-            dispatched.append((work, recv, send_sizes, recv_sizes))
+            return work, recv, send_sizes, recv_sizes
 
         sources = self.tail_sources or []
         n_extra = sum(1 for kind, _ in sources if kind == "body")
         row_parts: list[list[torch.Tensor]] = [[] for _ in range(self.n_row_outputs + n_extra)]
         combined = []
-        for c, (work, recv, send_sizes, recv_sizes) in enumerate(dispatched):
+        nxt = dispatch(0)
+        for c in range(self.chunks):
+            work, recv, send_sizes, recv_sizes = nxt
             offs_c = None
             if group_ends is not None:
                 offs_c = _chunk_offsets(group_ends, start_out, b_out, c).to(offs.dtype)
             row_in = [_take(t, start_out, b_out, c) for t in row_inputs]
             work.wait()
+            if c + 1 < self.chunks:
+                nxt = dispatch(c + 1)
             outs = self.body(recv, offs_c, *row_in, *consts)
             out = outs[0].contiguous()
             back = out.new_empty((sum(send_sizes), *out.shape[1:]))
