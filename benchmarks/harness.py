@@ -182,13 +182,14 @@ def run(bench: Bench, model: dict, args) -> list[dict]:
                             print(f"  calibrate w{world_size} {mode}: compute {cal['t_compute']*1e3:.0f} ms, "
                                   f"comm {cal['t_comm']*1e3:.0f} ms -> rate {rate:.0f} Mbit/s", flush=True)
                     # chunks="auto" is the planner's count: plan with this cluster's profile.
-                    profile_path, _ = _calibrated_profile(world, world_size, rate)
+                    profile_path, prof = _calibrated_profile(world, world_size, rate)
                     try:
                         res = world.run(bench_job, {**cfg, "profile": args.timeline, "hardware": profile_path})[0]
                     finally:
                         os.unlink(profile_path)
+            # The profile the planner used: its choices can be re-derived offline (fake world).
             res.update(world_size=world_size, mode=mode, rate_mbit=round(rate, 1), inner=args.inner,
-                       chunks=args.chunks, model=model)
+                       chunks=args.chunks, model=model, profile=prof)
             print(f"w{world_size} {mode:8s} rate {rate:6.0f} Mbit/s  base {res['t_base']*1e3:7.1f} ms  "
                   f"overlapc {res['t_overlapc']*1e3:7.1f} ms  compute {res['t_compute']*1e3:7.1f} ms  "
                   f"comm {res['t_comm']*1e3:7.1f} ms  speedup {res['speedup']:.2f}x  E {res['efficiency']:.2f}  "
