@@ -43,3 +43,29 @@ def test_chunk_offsets_count_each_group_in_each_chunk():
         # _place puts chunk rows back where they came from
         data = torch.arange(sum(splits)).float().unsqueeze(1)
         assert torch.equal(_place([data[i] for i in seen], starts, bounds, sum(splits)), data)
+
+
+def test_tail_takes_weight_gradients_only_when_their_other_operands_precede_the_dispatch():
+    """passes/dropless._tail_gemm: a GEMM over the body's rows (transposed) by a tensor that
+    exists before the dispatch runs in the tail; one by a tensor computed after the dispatch
+    (here: after the node standing for it) cannot, since the tail runs inside the op."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from overlapc.passes.dropless import _tail_gemm
+
+    def f(rows, early, late_in):
+        dispatch = rows * 2          # stands for the dispatch (position `before`)
+        late = late_in + 1           # computed after it
+        return torch.mm(dispatch.t(), early), torch.mm(dispatch.t(), late), torch.mm(early.t(), early)
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(6, 4), torch.randn(6, 3), torch.randn(6, 3))
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    (dispatch,) = [n for n in nodes if n.target is torch.ops.aten.mul.Tensor]
+    kinds = {dispatch: "row", **{n: "rowT" for n in nodes if n.target is torch.ops.aten.t.default
+                                 and n.args[0] is dispatch}}
+    mm_early, mm_late, mm_outside = [n for n in nodes if n.target is torch.ops.aten.mm.default]
+    early = nodes[0].next  # the second placeholder
+    assert _tail_gemm(mm_early, kinds, pos, pos[dispatch]) == [early]
+    assert _tail_gemm(mm_late, kinds, pos, pos[dispatch]) is None
+    assert _tail_gemm(mm_outside, kinds, pos, pos[dispatch]) is None  # reads no body rows
