@@ -11,8 +11,8 @@ allows, and ``strategy="auto"`` rewrites the site with the best n unless the pre
 gain is below the profile's ``min_gain`` (the reason names the gain, the threshold, the
 shape and the predicted times). ``chunks="auto"`` takes the model's n under
 ``strategy="decompose"`` too: one n for the sites of a graph that chunk the same rows (so
-that their chunks can chain), the fewest chunks within ``CHUNK_TIE`` (1%) of the best summed
-prediction (see ``_agree_on_chunks``). Every planned site carries its prediction in
+that their chunks can chain), the count of the best summed prediction (the fewest chunks
+within ``CHUNK_TIE`` of it; see ``_agree_on_chunks``). Every planned site carries its prediction in
 ``details["predicted"]``.
 
 All-to-all regions (MoE dispatch -> experts -> combine, Ulysses projections -> all-to-all ->
@@ -46,12 +46,14 @@ from .sites import MatchedSite
 MAX_AUTO_CHUNKS = 4
 MIN_ROWS_PER_CHUNK = 32
 AUTO_MIN_BYTES = 1 << 20
-CHUNK_TIE = 0.01
+CHUNK_TIE = 0.0
 """Counts whose summed prediction is within this of the best are ties (the fewest wins).
-On the stop-11 bench_plan run (24 configurations, judged on the sweep's times) the rule
-picked a count within 5% of the best fixed one in 17 cases with no tie band, 18 with 1%,
-15 with min_gain (3%, the rule before): the model's curves are flat near their minimum
-but not flatter than 1%."""
+Judged on the sweep's times of the 2026-12-04 14:27 bench_plan run (the first with rounds
+in random order), no band picks a count within 5% of the best fixed one in 31 of 31
+configurations it can judge, a 1% band in 24 of 26 (it picked 2 chunks for the
+all-gather (2048, 1024, 4096) at 1000 Mbit/s, 3-4 measured 6-8% faster); on the 14:15 run
+(rotated order) 27 of 32 against 25 of 29. The band (1% since stop 11, chosen when the
+model priced chunked reduce-scatters' latency too high) is kept as a knob at 0."""
 MODELLED = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 
 
@@ -160,9 +162,8 @@ def _agree_on_chunks(sites: list[MatchedSite], options: Options, profile) -> Non
     Such sites can chain (an MLP's all-gather chunks feed its reduce-scatter's chunks directly,
     passes/rows.py) only when their row layouts, hence their counts, are equal; and the
     model's curves are flat near their minimum. So the count is the one that minimises the
-    sites' summed predicted time, and of the counts within ``CHUNK_TIE`` of that minimum (the
-    model cannot tell them apart) the fewest: every extra chunk costs latency the model
-    prices only approximately."""
+    sites' summed predicted time; of the counts within ``CHUNK_TIE`` of that minimum, the
+    fewest."""
     groups: dict[tuple, list[MatchedSite]] = {}
     for s in sites:
         pred = s.details.get("predicted")
