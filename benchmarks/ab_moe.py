@@ -64,9 +64,9 @@ def main(argv=None):
             for ch in args.chunks:
                 ch = ch if ch == "auto" else int(ch)
                 r = world.run(ab_job, args.mode, ch, args.iters)[0]
-                print(f"world {args.world} {args.rate:g} Mbit/s {args.mode} chunks {ch}: " +
-                      "  ".join(f"{k} {v} ms" for k, v in r.items()) +
-                      f"  speedup {r['base'] / r['one_at_a_time']:.2f}x (all at once {r['base'] / r['all_at_once']:.2f}x)",
+                times = "  ".join(f"{k} {v} ms" for k, v in r.items())
+                print(f"world {args.world} {args.rate:g} Mbit/s {args.mode} chunks {ch}: {times}  speedup "
+                      f"{r['base'] / r['one_at_a_time']:.2f}x (all at once {r['base'] / r['all_at_once']:.2f}x)",
                       flush=True)
 
 

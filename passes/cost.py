@@ -48,7 +48,8 @@ read whole and the partial sums). Chunks are sized like the rewrite sizes them
 all-reduces run concurrently (gloo: overlapc issues them all at once and the group's two
 worker threads run two at a time; NCCL on one stream does not), a later chunk's latency
 hides under the transfer of the one running beside it: it adds ``Max(its transfer, its
-whole time / comm_threads)`` (the link or the threads are the bottleneck). Fused (a GPU with symmetric memory):
+whole time / comm_threads)`` (the link or the threads are the bottleneck). Fused (a GPU
+with symmetric memory):
 ``Max(t_gemm / fused_efficiency, t_comm) + t_comm / n_tiles_in_flight`` approximated as
 ``Max(g / eff_fused, c) + c / 8``.
 """
