@@ -1,6 +1,7 @@
 """Benchmark: the cost model's predictions against measurements on the emulated cluster.
 
     sudo python -m benchmarks.bench_plan [--world-sizes 2 4] [--rates 1000 3000] [--iters 7]
+    python -m benchmarks.bench_plan --rescore benchmarks/results/plan.json [older plan.json ...]
 
 For each world size and link rate it builds an emulated cluster (benchmarks/cluster.py),
 runs ``overlapc calibrate`` inside it (the profile of *that* cluster: GEMM rates, link
@@ -213,6 +214,42 @@ def report(rows, cmd: str) -> None:
     common.update_benchmarks_md("Planner: predicted vs measured (issue 5)", "\n".join(lines))
 
 
+def rescore(path: str) -> dict:
+    """The current cost model against the timings of an earlier run (its plan.json): each
+    row's stages and calibrated profile re-predicted, the count the model picks now judged
+    by the sweep's time for it (rows whose count was not in the sweep are not judged). For
+    trying a model change on several runs before spending a run on it. Prints one line."""
+    from overlapc.passes import cost, plan
+
+    with open(path) as f:
+        rows = json.load(f)
+    errs, fixed_errs, within, judged = [], [], 0, 0
+    for r in rows:
+        p, t = r["predicted"], r["t"]
+        pred = cost.predict_stages([cost.Stage(**d) for d in p["stages"]], r["world"], "float32",
+                                   cost.profile_from_dict(r["profile"]), p["extent"], p.get("copy_bytes") or 0,
+                                   p.get("add_bytes") or 0)
+        per = pred.per_chunks
+        n = min(c for c in per if per[c] <= min(per.values()) * (1 + plan.CHUNK_TIE))
+
+        def speedup(k):  # as _score: the MoE row's routing is taken as measured
+            saved = pred.base - per[k]
+            return pred.base / per[k] if r["kind"] != "moe" else t["base"] / (t["base"] - saved)
+        fixed = {int(k[1:]): v for k, v in t.items() if k.startswith("n")}
+        fixed_errs += [abs(speedup(k) * fixed[k] / t["base"] - 1) for k in fixed if k in per]
+        if n in fixed:
+            judged += 1
+            within += fixed[n] / min(fixed.values()) - 1 <= 0.05
+            errs.append(abs(speedup(n) * fixed[n] / t["base"] - 1))
+    out = {"path": path, "judged": judged, "within_5pct": within, "median_error": statistics.median(errs),
+           "max_error": max(errs), "median_error_all_counts": statistics.median(fixed_errs),
+           "max_error_all_counts": max(fixed_errs)}
+    print(f"{path}: counts within 5% {within} of {judged} judged; error of the picked count median "
+          f"{out['median_error']:.1%} max {out['max_error']:.1%}; over every fixed count median "
+          f"{out['median_error_all_counts']:.1%} max {out['max_error_all_counts']:.1%}")
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_plan")
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
@@ -221,7 +258,13 @@ def main(argv=None):
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     p.add_argument("--from-json", action="store_true",
                    help="rewrite the BENCHMARKS.md section from benchmarks/results/plan.json (no measuring)")
+    p.add_argument("--rescore", nargs="+", metavar="PLAN_JSON",
+                   help="re-predict earlier runs' timings with the current model and print how it does (no measuring)")
     args = p.parse_args(argv)
+    if args.rescore:
+        for path in args.rescore:
+            rescore(path)
+        return 0
     if args.from_json:
         with open(os.path.join(common.RESULTS, "plan.json")) as f:
             rows = json.load(f)
