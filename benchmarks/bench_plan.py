@@ -128,19 +128,30 @@ def run(args) -> list[dict]:
     return rows
 
 
+def _predicted_speedup(kind: str, base: float, at_n: float, measured_base: float) -> float:
+    """Predicted speedup of a row from the model's baseline and n-chunk times (seconds).
+    For the MoE layer: the measured baseline less the region's predicted saving (the
+    layer's routing is not modelled)."""
+    if kind != "moe":
+        return base / at_n
+    return measured_base / (measured_base - (base - at_n))
+
+
+def _fixed(t: dict) -> dict[int, float]:
+    """The sweep's times by chunk count."""
+    return {int(k[1:]): v for k, v in t.items() if k.startswith("n")}
+
+
 def _score(r: dict) -> dict:
     t, p = r["t"], r["predicted"]
     n = r["auto_chunks"]
 
     def predicted(k):
-        if r["kind"] != "moe":
-            return p["base_ms"] / p["by_chunks_ms"][str(k)]
-        # The layer: measured baseline less the region's predicted saving (routing is not modelled).
-        return t["base"] / (t["base"] - (p["base_ms"] - p["by_chunks_ms"][str(k)]) / 1e3)
+        return _predicted_speedup(r["kind"], p["base_ms"] / 1e3, p["by_chunks_ms"][str(k)] / 1e3, t["base"])
     r["measured_speedup"] = t["base"] / t["auto"]
     r["predicted_speedup"] = predicted(n)
     r["error"] = (r["predicted_speedup"] - r["measured_speedup"]) / r["measured_speedup"]
-    fixed = {int(k[1:]): v for k, v in t.items() if k.startswith("n")}
+    fixed = _fixed(t)
     best_n = min(fixed, key=fixed.get)
     r["best_fixed"] = best_n
     r["auto_vs_best"] = t["auto"] / fixed[best_n] - 1
@@ -232,10 +243,9 @@ def rescore(path: str) -> dict:
         per = pred.per_chunks
         n = min(c for c in per if per[c] <= min(per.values()) * (1 + plan.CHUNK_TIE))
 
-        def speedup(k):  # as _score: the MoE row's routing is taken as measured
-            saved = pred.base - per[k]
-            return pred.base / per[k] if r["kind"] != "moe" else t["base"] / (t["base"] - saved)
-        fixed = {int(k[1:]): v for k, v in t.items() if k.startswith("n")}
+        def speedup(k):
+            return _predicted_speedup(r["kind"], pred.base, per[k], t["base"])
+        fixed = _fixed(t)
         fixed_errs += [abs(speedup(k) * fixed[k] / t["base"] - 1) for k in fixed if k in per]
         if n in fixed:
             judged += 1

@@ -418,7 +418,7 @@ class _Grower:
             if node in self.defer or (node.target is ops.ALL_TO_ALL and not self.may_chain(node)):
                 continue
             st = step_of(node, self.axes)
-            if st is None or (st.axis is None and ops.val(node).dtype in LOW_PRECISION and not self.probe):
+            if st is None or (_low_precision_sum(node, st) and not self.probe):
                 # A low-precision reduction over the axis stays whole, on operands rebuilt from
                 # the chunks: per-chunk partials would each be rounded before the sum.
                 continue
@@ -493,6 +493,11 @@ def _perm(node: Node, rank: int) -> list[int]:
     return [_norm(d, rank) for d in node.args[1]]
 
 
+def _low_precision_sum(node: Node, st: Step) -> bool:
+    """A reduction over the axis in bf16/fp16: it must not become per-chunk partials."""
+    return st.axis is None and ops.val(node).dtype in LOW_PRECISION
+
+
 def grow(start: Node, axis: Axis, may_chain=lambda coll: True) -> Region | None:
     """The region of ``start`` (a collective's wait) chunked along ``axis`` (None: the
     collective itself cannot be chunked so)."""
@@ -501,7 +506,7 @@ def grow(start: Node, axis: Axis, may_chain=lambda coll: True) -> Region | None:
         return None
     g.grow(start.graph)
     defer = _deferrable(g.steps)
-    if defer or any(st.axis is None and ops.val(n).dtype in LOW_PRECISION for n, st in g.steps.items()):
+    if defer or any(_low_precision_sum(n, st) for n, st in g.steps.items()):
         # Grown again without them (their operands become tensors read whole), and without
         # the low-precision sums that cannot be deferred (they stay whole where they are).
         g = _Grower(may_chain, frozenset(defer))

@@ -420,9 +420,10 @@ def _tail_nodes(p: Pipeline) -> list[Node]:
 def _tail_rows(p: Pipeline) -> list[Node]:
     """The row tensors the tail reads (the sources of its transposes, its right operands),
     in order of first use."""
-    tail = set(_tail_nodes(p))
+    nodes = _tail_nodes(p)
+    tail = set(nodes)
     out: list[Node] = []
-    for n in _tail_nodes(p):
+    for n in nodes:
         for a in n.all_input_nodes:
             if a not in tail and (p.kinds.get(a) == "row" or a in p.row_inputs) and a not in out:
                 out.append(a)
