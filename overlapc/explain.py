@@ -53,7 +53,7 @@ def capture(fn: Callable | torch.nn.Module, *args, options: dict | Options | Non
         return f
 
     lazy_bw = _eager_backward_lowering()
-    with fake_mode, lazy_bw:
+    with fake_mode, lazy_bw, _no_recompile_limit():
         fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, to_fake, (args, kwargs))
         state = {}
         if module is not None:
@@ -66,6 +66,24 @@ def capture(fn: Callable | torch.nn.Module, *args, options: dict | Options | Non
             if lazy_bw is _NO_EAGER_LOWERING:
                 _run_backward(out, list(state.values()) + pytree.tree_leaves((fake_args, fake_kwargs)))
     return report, backend.graphs
+
+
+def _no_recompile_limit():
+    """Every explain() compiles ``fn`` afresh with a new backend, and dynamo caches per code
+    object: past its recompile limit (8 on torch 2.11-2.13) it would run the ninth capture of
+    the same forward eagerly, the backend would never see a graph and the report would list
+    no sites, silently. Lift the limit for this capture, and make hitting it anyway an error."""
+    from torch._dynamo import config as dynamo_config
+    names = dynamo_config._config if hasattr(dynamo_config, "_config") else vars(dynamo_config)
+    patch = {}
+    for limit in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                  "accumulated_cache_size_limit"):
+        if limit in names:
+            patch[limit] = max(getattr(dynamo_config, limit), 1 << 16)
+    for fail in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"):
+        if fail in names:
+            patch[fail] = True
+    return dynamo_config.patch(**patch)
 
 
 def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -232,3 +232,20 @@ def test_cli_errors_exit_2_with_one_line(args, needle):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("overlapc: error:"), p.stderr
     assert needle in lines[0], lines[0]
+
+
+def test_explain_past_dynamo_recompile_limit(fake_mesh8):
+    """explain() compiles the same forward code once per call. Past dynamo's recompile
+    limit (8) dynamo would run it eagerly and the report would silently list no sites;
+    explain() lifts the limit for its own capture, so the tenth report equals the first."""
+    group = fake_mesh8.get_group()
+
+    def fn(x, w):
+        return funcol.all_gather_tensor(x, gather_dim=0, group=group) @ w
+
+    x, w = torch.randn(4, 16), torch.randn(16, 8)
+    first = overlapc.explain(fn, x, w)
+    assert len(first.sites) == 1
+    for _ in range(torch._dynamo.config.recompile_limit + 1):
+        report = overlapc.explain(fn, x, w)
+    assert [s.name for s in report.sites] == [s.name for s in first.sites]
