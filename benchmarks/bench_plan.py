@@ -71,6 +71,9 @@ def plan_job(kind: str, shape, profile_path: str, iters: int) -> dict:
                 "auto": Options(inner="eager", strategy="decompose", chunks="auto", hardware=profile_path)}
     for n in CHUNKS:
         variants[f"n{n}"] = Options(inner="eager", strategy="decompose", chunks=n, hardware=profile_path)
+    # Each variant is one more dynamo compile of fn (a new backend fails BACKEND_MATCH); past
+    # the recompile limit dynamo would silently time the rest eagerly. The world resets dynamo per job.
+    assert len(variants) <= torch._dynamo.config.recompile_limit, "more variants than dynamo compiles"
     steps, reports = {}, {}
     for name, o in variants.items():
         be = Backend(o)
