@@ -14,9 +14,12 @@ GEMM: square-ish ``mm`` of several sizes per dtype; the model's curve
 of one 1024 x 2048 weight (a chunk's GEMM streams the whole weight for its share of the
 rows). Link: ``all_gather_into_tensor`` of several sizes;
 ``t = (W-1) * alpha + (W-1) * B / beta``: beta from the slope over the three largest. The reduce-scatter factor is the
-measured ratio of a reduce-scatter to the ring formula (gloo runs it as an all-reduce).
+measured ratio of a reduce-scatter to the ring formula (gloo runs it as an all-reduce);
+a 32 MiB one's excess over that is ``rs_large``.
 Overlap loss: an all-gather and a run of GEMMs of about the same duration started
-together; the part of the shorter one that did not hide. Alpha: 16 tiny all-gathers
+together; the part of the shorter one that did not hide. Comm loss (per kind): an
+all-gather, a reduce-scatter, each with GEMMs of half its time under it; how much longer
+the transfer took per second of GEMM. Alpha: 16 tiny all-gathers
 in a row; chunk overhead: six tiny ops (the slices, views and concatenation parts a chunk
 adds). Copy rate: a 64 MiB copy.
 """
@@ -32,6 +35,7 @@ GEMM_SIZES = [(128, 256, 256), (256, 512, 512), (512, 1024, 1024), (1024, 1024, 
 SKINNY = (128, 1024, 1024, 2048)
 """(M skinny, M wide, K, N): one weight, few and many rows (the rows term of the GEMM curve)."""
 COMM_BYTES = [1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 22]
+RS_BIG = 32 << 20  # input bytes of the large reduce-scatter (the excess over the rs_factor formula)
 STREAM_BYTES = 8 << 20  # a curve point's back-to-back run moves at least this much (gathered / sent)
 
 
@@ -54,18 +58,40 @@ def _fit(xs, ys):
     return my - b * mx, b
 
 
-def _comm_time(fn, group, reps: int) -> float:
-    """Median over reps of the slowest rank's time (barrier before each)."""
+def _comm_time(fn, group, reps: int, warm: bool = True) -> float:
+    """Median over reps of the slowest rank's time (barrier before each; with ``warm``, one
+    untimed run first)."""
     ts = []
-    for _ in range(reps + 1):
+    for _ in range(reps + warm):
         dist.barrier(group)
         t = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t)
-    ts = sorted(ts[1:])
+    ts = sorted(ts[warm:])
     t = torch.tensor([ts[len(ts) // 2]], dtype=torch.float64)
     dist.all_reduce(t, dist.ReduceOp.MAX, group)
     return float(t)
+
+
+def _pair_loss(issue, a, b, reps_mm: int, group, reps: int) -> float:
+    """(both - longer) / shorter for a transfer (``issue()`` returns its work) and ``reps_mm``
+    GEMMs ``a @ b`` started together, each of the three timed in every round (slowest rank,
+    barrier before each), medians over ``reps`` rounds; clamped to [0, 1]."""
+    def gemms():
+        for _ in range(reps_mm):
+            torch.mm(a, b)
+
+    def both():
+        work = issue()
+        gemms()
+        work.wait()
+    both()
+    ts = {"c": [], "g": [], "both": []}
+    for _ in range(reps):
+        for k, fn in (("c", lambda: issue().wait()), ("g", gemms), ("both", both)):
+            ts[k].append(_comm_time(fn, group, 1, warm=False))
+    t_c, t_g, t_both = (sorted(v)[len(v) // 2] for v in ts.values())
+    return min(1.0, max(0.0, (t_both - max(t_c, t_g)) / min(t_c, t_g)))
 
 
 def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str = "cpu-local") -> dict:
@@ -150,27 +176,47 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
             dist.all_gather_into_tensor(tiny_out, tiny_in, group=group)
     alpha = max(_comm_time(tiny_seq, group, reps) / (16 * max(world - 1, 1)), 1e-6)
     # reduce-scatter of B input bytes vs the ring formula for it
-    rs = [t / ((world - 1) * alpha + (world - 1) / world * b / beta) for t, b in ratio]
+    def ring(b):
+        return (world - 1) * alpha + (world - 1) / world * b / beta
+    rs = [t / ring(b) for t, b in ratio]
+    rs_factor = round(sum(rs) / len(rs), 2)
+    # A large reduce-scatter (RS_BIG input bytes) runs slower per byte than the ones the
+    # factor is fitted on (measured 2026-12-04: a 32 MiB one 1.3-1.6x the factor's time at
+    # 3000 Mbit/s, 1.1x at 1000): its excess over the formula, priced from the largest fitted
+    # size up (chunks, smaller, are not affected).
+    x_big, in_big = torch.empty(RS_BIG // 4 // world), torch.empty(RS_BIG // 4)
+    t_big = _comm_time(lambda: dist.reduce_scatter_tensor(x_big, in_big, group=group), group, max(3, reps // 2))
+    b_fit = max(b for _, b in ratio)
+    rs_large = [[b_fit, 0.0], [RS_BIG, round(max(0.0, t_big - rs_factor * ring(RS_BIG)), 9)]]
     # Per chunk, the rewritten graph also runs a few more small ops (slice, view, cat part).
     tiny = torch.randn(8, 8)
     overhead = 6 * _median(lambda: torch.mm(tiny, tiny), reps)
-    # Overlap loss: a GEMM and an all-gather of about the same duration, run together.
+    # Overlap losses. Each is taken from three timings interleaved round by round (the
+    # transfer alone, the GEMMs alone, both started together), so that drift and the other
+    # ranks' load hit all three alike (a transfer timed minutes earlier, or a GEMM timed
+    # without a barrier, made the loss swing 0.4-1.0 between calibrations of one cluster).
+    # overlap_loss: an all-gather and GEMMs of about the same duration; the part of the
+    # shorter that did not hide. comm_loss: an all-gather, and a reduce-scatter of the same
+    # output, each with GEMMs of about half its time under it; how much the transfer was
+    # lengthened per second of GEMM. Measured 2026-12-04 on the emulated cluster (4 MiB per
+    # rank): about 0 for reduce-scatters and 0.1-0.3 for all-gathers where the link is the
+    # bottleneck (1000 Mbit/s), 0.6-1.0 at world 4 on 2 cores at 3000 Mbit/s, where moving
+    # bytes is CPU work that the GEMMs take cores from.
     a = torch.randn(512, 1024)
     b = torch.randn(1024, 1024)
     t_mm = _median(lambda: torch.mm(a, b), reps)
     big = torch.empty(COMM_BYTES[-1] // 4)
     big_out = torch.empty(world * big.numel())
-    t_ag = ys[-1]  # this all-gather alone, measured above
-    reps_mm = max(1, round(t_ag / t_mm))
+    rs_in = torch.empty(world * big.numel())
 
-    def both():
-        work = dist.all_gather_into_tensor(big_out, big, group=group, async_op=True)
-        for _ in range(reps_mm):
-            torch.mm(a, b)
-        work.wait()
-    t_both = _comm_time(both, group, reps)
-    g_dur = reps_mm * t_mm
-    loss = min(1.0, max(0.0, (t_both - max(g_dur, t_ag)) / min(g_dur, t_ag)))
+    def ag():
+        return dist.all_gather_into_tensor(big_out, big, group=group, async_op=True)
+
+    def rs_op():
+        return dist.reduce_scatter_tensor(big, rs_in, group=group, async_op=True)
+    loss = _pair_loss(ag, a, b, max(1, round(ys[-1] / t_mm)), group, reps)
+    comm_loss = {"all_gather": _pair_loss(ag, a, b, max(1, round(0.5 * ys[-1] / t_mm)), group, reps),
+                 "reduce_scatter": _pair_loss(rs_op, a, b, max(1, round(0.5 * ratio[-1][0] / t_mm)), group, reps)}
     # Local copy rate (read + write of a 64 MiB tensor counted once), for the concatenations.
     src = torch.empty(1 << 24, dtype=torch.float32)
     dst = torch.empty_like(src)
@@ -187,10 +233,12 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
         "chunk_overhead_us": overhead * 1e6,
         "copy_gbps": copy_bw / 1e9,
         "overlap_loss": round(loss, 3),
+        "comm_loss": {k: round(v, 3) for k, v in comm_loss.items()},
         "min_gain": 0.03,
         "concurrent_reductions": dist.get_backend(group) == "gloo",
         "comm_threads": 2 if dist.get_backend(group) == "gloo" else 1,  # ProcessGroupGloo's default threads
-        "rs_factor": round(sum(rs) / len(rs), 2),
+        "rs_factor": rs_factor,
+        "rs_large": rs_large,
         "fused_efficiency": None,
         "curves": curves,
         "curves_world": world,

@@ -39,7 +39,12 @@ plus ``chunk_overhead`` per extra chunk of each collective and the copied bytes 
 ``overlap_loss * Min(its time, the transfer's)``: transfers and GEMMs that overlap still
 compete for something (SMs and memory bandwidth on a GPU: NCCL runs on SMs; CPU cores on
 the emulated cluster, where TCP over veth is CPU work), measured by ``overlapc calibrate``
-as the part of the shorter activity that does not hide. ``overhead`` is what one more
+as the part of the shorter activity that does not hide. A transfer that runs while GEMMs do
+is lengthened by ``comm_loss[kind] * Min(its time, the GEMMs')``: about 0 where the wire is
+the bottleneck, up to 1 where moving bytes is CPU work the GEMMs take cores from (calibrated
+per kind; an all-to-all reads the all-gather's, an all-reduce the reduce-scatter's). A
+reduce-scatter larger than the largest one ``rs_factor`` is fitted on pays the measured
+excess ``rs_large`` (a 32 MiB one ran 1.1-1.6x the formula). ``overhead`` is what one more
 chunk costs beyond its collective's alpha (issue, wait, launch: calibrated as such), and
 the copies are the chunk outputs concatenated back into the original layout (and, for a
 reduce-scatter, the GEMM input regrouped by destination rank; for a region, the tensors
@@ -98,8 +103,12 @@ class Profile:
     chunk_overhead: float           # s per extra chunk (launch, sync, bookkeeping)
     min_gain: float                 # predicted gains below this are within the model's error: skip
     rs_factor: float = 1.0          # reduce-scatter cost relative to the ring formula (gloo: 2)
+    rs_large: tuple = ()            # ((input bytes, s), ...): a large reduce-scatter's excess over that,
+                                    # 0 at the first point (for groups of curves_world ranks)
     copy_bw: float = 1e12           # bytes/s of a device-local copy (read + write counted once)
     overlap_loss: float = 0.0       # share of the shorter of (transfer, GEMM) that still shows when they overlap
+    comm_loss: dict = field(default_factory=dict)  # collective kind -> share of the GEMM time run under a
+                                                   # transfer by which that transfer is lengthened
     concurrent_reductions: bool = False  # chunked RS/AR issued at once run concurrently (gloo)
     comm_threads: int | None = None  # collectives a group runs at once (gloo: its 2 worker threads);
                                      # None: 2 where concurrent_reductions, else 1
@@ -122,11 +131,13 @@ def profile_from_dict(d: dict, path: str | None = None) -> Profile:
                        chunk_overhead=float(d["chunk_overhead_us"]) * 1e-6, min_gain=float(d["min_gain"]),
                        rs_factor=float(d.get("rs_factor", 1.0)), copy_bw=float(d.get("copy_gbps", 1000)) * 1e9,
                        overlap_loss=float(d.get("overlap_loss", 0.0)),
+                       comm_loss={k: float(v) for k, v in (d.get("comm_loss") or {}).items()},
+                       rs_large=tuple((float(b), float(t)) for b, t in d.get("rs_large") or ()),
                        concurrent_reductions=bool(d.get("concurrent_reductions", False)),
                        comm_threads=d.get("comm_threads"),
                        fused_efficiency=d.get("fused_efficiency"),
                        curves={k: _monotone(v) for k, v in (d.get("curves") or {}).items() if v},
-                       curves_world=int(d["curves_world"]) if d.get("curves") else None)
+                       curves_world=int(d["curves_world"]) if d.get("curves") or d.get("rs_large") else None)
     except (KeyError, TypeError, ValueError) as e:
         raise OverlapError(f"hardware profile {path or d.get('name')!r} is malformed: {type(e).__name__}: {e}; "
                            f"see {PROFILE_DIR / 'h100-nvlink.json'} for the format") from e
@@ -210,7 +221,10 @@ def t_comm(kind: str, nbytes, world: int, p: Profile):
         return step + (W - 1) * B / b
     frac = sympy.Rational(W - 1, W) * B / b
     if kind == "reduce_scatter":
-        return (step + frac) * p.rs_factor
+        t = (step + frac) * p.rs_factor
+        if p.rs_large and W == p.curves_world and B.is_number and float(B) > p.rs_large[0][0]:
+            t = t + sympy.Float(_excess(p.rs_large, float(B)))
+        return t
     if kind == "all_reduce":
         return 2 * (step + frac)
     if kind == "all_to_all":
@@ -226,6 +240,19 @@ def _on_curve(points, nbytes: float, latency: float) -> float:
         if nbytes <= b1:
             break  # else the last segment, extended
     return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0) if b1 > b0 else t1
+
+
+def _excess(points, nbytes: float) -> float:
+    """Piecewise-linear through (bytes, s) points from the first, extended on the last
+    segment past the largest; 0 below the first."""
+    (b0, e0) = points[0]
+    for b1, e1 in points[1:]:
+        if nbytes <= b1:
+            break
+        b0, e0 = b1, e1
+    else:
+        (b0, e0), (b1, e1) = points[-2], points[-1]
+    return max(0.0, e0 + (e1 - e0) * (nbytes - b0) / (b1 - b0)) if b1 > b0 else e1
 
 
 @dataclass(frozen=True)
@@ -277,7 +304,8 @@ def stage_times(st: Stage, fracs: list, world: int, gemm: Gemm, p: Profile) -> l
     return ts
 
 
-def flow(durations: list[list], lanes: list[str], loss: float = 0.0, after: list | None = None):
+def flow(durations: list[list], lanes: list[str], loss: float = 0.0, after: list | None = None,
+         comm_loss: list | None = None):
     """Start times and durations of a chunked pipeline, and its end (sympy or numbers).
 
     ``durations[s][i]``: chunk i of stage s; ``lanes[s]``: its lane. Each lane runs its
@@ -287,7 +315,10 @@ def flow(durations: list[list], lanes: list[str], loss: float = 0.0, after: list
     chunk i of stage s starts once chunk i of stage s - 1 has finished. A compute task is
     lengthened by ``loss`` times the transfer that runs under it (the next chunk's
     incoming one, the previous chunk's outgoing one; at most its own length): overlapped
-    transfers and GEMMs still compete for cores or SMs. ``after[s]``: a task on stage s's
+    transfers and GEMMs still compete for cores or SMs. A transfer is lengthened by
+    ``comm_loss[s]`` times the GEMMs that run under it (the next stage's previous chunk, the
+    previous stage's next chunk; at most its own length): where moving bytes is CPU work (TCP
+    on an oversubscribed host) the GEMMs slow the transfer too. ``after[s]``: a task on stage s's
     lane once its last chunk is done (chunk index -1 in the events), which nothing waits for
     but which holds the lane.
     Returns (events, end): events are (stage, chunk, start, duration)."""
@@ -295,17 +326,24 @@ def flow(durations: list[list], lanes: list[str], loss: float = 0.0, after: list
     done: list[list] = []
     events = []
     n = len(durations[0]) if durations else 0
+
+    def beside(s: int, i: int, other: str) -> list:
+        """Tasks of the ``other`` lane that run while task (s, i) does: the previous stage's
+        next chunk and the next stage's previous chunk."""
+        out = []
+        if s > 0 and i + 1 < n and lanes[s - 1] == other:
+            out.append(durations[s - 1][i + 1])
+        if s + 1 < len(lanes) and i > 0 and lanes[s + 1] == other:
+            out.append(durations[s + 1][i - 1])
+        return out
+
     for s, (ds, lane) in enumerate(zip(durations, lanes)):
         row = []
+        k = loss if lane == "compute" else (comm_loss[s] if comm_loss else 0)
         for i, d in enumerate(ds):
-            if loss and lane == "compute":
-                under = []
-                if s > 0 and i + 1 < n and lanes[s - 1] == "comm":
-                    under.append(durations[s - 1][i + 1])
-                if s + 1 < len(lanes) and i > 0 and lanes[s + 1] == "comm":
-                    under.append(durations[s + 1][i - 1])
-                if under:
-                    d = d + loss * sympy.Min(d, sum(under))
+            under = beside(s, i, "comm" if lane == "compute" else "compute") if k else []
+            if under:
+                d = d + k * sympy.Min(d, sum(under))
             start = free[lane] if s == 0 else sympy.Max(free[lane], done[s - 1][i])
             row.append(start + d)
             free[lane] = start + d
@@ -316,6 +354,14 @@ def flow(durations: list[list], lanes: list[str], loss: float = 0.0, after: list
             free[lane] = free[lane] + after[s]
     end = sympy.Max(*(r[-1] for r in done), *free.values()) if done else sympy.Integer(0)
     return events, end
+
+
+def comm_loss_of(kind: str, p: Profile) -> float:
+    """The profile's comm-side overlap loss for a collective kind (0 for GEMMs). Calibration
+    measures all-gathers and reduce-scatters; an all-to-all moves bytes like an all-gather
+    (no reduction), an all-reduce reduces like a reduce-scatter."""
+    like = {"all_to_all": "all_gather", "all_reduce": "reduce_scatter"}
+    return p.comm_loss.get(kind, p.comm_loss.get(like.get(kind, ""), 0.0))
 
 
 def chunk_fracs(n: int, extent=None) -> list:
@@ -336,7 +382,8 @@ def t_stages(stages: list[Stage], world: int, gemm: Gemm, p: Profile, n: int, co
     where events are (lane, label, start, duration), the overhead and copies last."""
     fracs = chunk_fracs(n, extent)
     durations = [stage_times(st, fracs, world, gemm, p) for st in stages]
-    evs, end = flow(durations, [st.lane for st in stages], p.overlap_loss, [st.t_after(gemm) for st in stages])
+    evs, end = flow(durations, [st.lane for st in stages], p.overlap_loss, [st.t_after(gemm) for st in stages],
+                    [comm_loss_of(st.kind, p) for st in stages])
     n_colls = sum(st.count for st in stages if st.lane == "comm")
     tail = (n - 1) * n_colls * p.chunk_overhead + (sympy.sympify(copy_bytes) + (n - 1) * add_bytes) / p.copy_bw
     if not events:

@@ -105,6 +105,26 @@ def test_flow_is_the_issue_order_recurrence():
     assert float(lossy) == pytest.approx(2 + (2 + 0.5 * 2) + 2)
 
 
+def test_comm_loss_lengthens_a_transfer_by_the_gemms_under_it():
+    # GEMM -> reduce-scatter, comm-bound (GEMM chunks 1, transfer chunks 4): the compute-side
+    # loss alone cannot slow the pipeline (the short GEMMs hide whole), so a host whose
+    # transfers are CPU work would look as fast as one whose wire is the bottleneck.
+    gs, cs = [1, 1, 1], [4, 4, 4]
+    _, free = cost.flow([gs, cs], ["compute", "comm"], loss=1.0)
+    assert float(free) == pytest.approx(1 + 12)
+    # comm_loss 1: transfers 0 and 1 each have a GEMM (chunks 1 and 2) under them.
+    _, cpu = cost.flow([gs, cs], ["compute", "comm"], loss=1.0, comm_loss=[0, 1.0])
+    assert float(cpu) == pytest.approx(1 + 12 + 2)
+    # The same through a profile: comm_loss by kind (an all-reduce reads the reduce-scatter's).
+    p = dataclasses.replace(cost.load_profile("h100-nvlink"), comm_loss={"reduce_scatter": 0.5})
+    assert cost.comm_loss_of("all_reduce", p) == 0.5 and cost.comm_loss_of("all_gather", p) == 0.0
+    assert cost.comm_loss_of("gemm", p) == 0.0
+    st = [cost.Stage("compute", "gemm", 2 * 4096 ** 3), cost.Stage("comm", "reduce_scatter", 64 << 20)]
+    g = p.gemm["bfloat16"]
+    lossless = dataclasses.replace(p, comm_loss={})
+    assert float(cost.t_stages(st, 8, g, p, 4)) > float(cost.t_stages(st, 8, g, lossless, 4))
+
+
 def test_skinny_gemms_pay_the_rows_term():
     g = cost.Gemm(1e12, 1.0, 0.0, half_rows=64)
     f = 2 * 1024 * 1024 * 1024
