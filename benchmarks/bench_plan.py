@@ -244,7 +244,7 @@ def rescore(path: str) -> dict:
                                    cost.profile_from_dict(r["profile"]), p["extent"], p.get("copy_bytes") or 0,
                                    p.get("add_bytes") or 0)
         per = pred.per_chunks
-        n = min(c for c in per if per[c] <= min(per.values()) * (1 + plan.CHUNK_TIE))
+        n = plan.pick_count(per)
 
         def speedup(k):
             return _predicted_speedup(r["kind"], pred.base, per[k], t["base"])

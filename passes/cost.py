@@ -223,7 +223,7 @@ def t_comm(kind: str, nbytes, world: int, p: Profile):
     if kind == "reduce_scatter":
         t = (step + frac) * p.rs_factor
         if p.rs_large and W == p.curves_world and B.is_number and float(B) > p.rs_large[0][0]:
-            t = t + sympy.Float(_excess(p.rs_large, float(B)))
+            t = t + sympy.Float(max(0.0, _interp(p.rs_large, float(B))))  # 0 at the first point
         return t
     if kind == "all_reduce":
         return 2 * (step + frac)
@@ -235,24 +235,15 @@ def t_comm(kind: str, nbytes, world: int, p: Profile):
 def _on_curve(points, nbytes: float, latency: float) -> float:
     """Piecewise-linear time of a collective of ``nbytes`` through measured (bytes, s)
     points, from (0, latency); past the largest point, on the slope of the last segment."""
-    pts = [(0.0, min(latency, points[0][1])), *points]
+    return _interp([(0.0, min(latency, points[0][1])), *points], nbytes)
+
+
+def _interp(pts, x: float) -> float:
+    """Piecewise-linear through (x, y) points; past the last, on the last segment's slope."""
     for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
-        if nbytes <= b1:
+        if x <= b1:
             break  # else the last segment, extended
-    return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0) if b1 > b0 else t1
-
-
-def _excess(points, nbytes: float) -> float:
-    """Piecewise-linear through (bytes, s) points from the first, extended on the last
-    segment past the largest; 0 below the first."""
-    (b0, e0) = points[0]
-    for b1, e1 in points[1:]:
-        if nbytes <= b1:
-            break
-        b0, e0 = b1, e1
-    else:
-        (b0, e0), (b1, e1) = points[-2], points[-1]
-    return max(0.0, e0 + (e1 - e0) * (nbytes - b0) / (b1 - b0)) if b1 > b0 else e1
+    return t0 + (t1 - t0) * (x - b0) / (b1 - b0) if b1 > b0 else t1
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,13 @@ def plan_sites(sites: list[MatchedSite], options: Options, deps: DepGraph) -> No
         s.details.pop("chunks_fixed", None)
 
 
+def pick_count(times: dict[int, float]) -> int:
+    """The chunk count for predicted times by count: of the counts within ``CHUNK_TIE`` of
+    the fastest, the fewest."""
+    best = min(times.values())
+    return min(c for c, t in times.items() if t <= best * (1 + CHUNK_TIE))
+
+
 def _agree_on_chunks(sites: list[MatchedSite], options: Options, profile) -> None:
     """One chunk count for the modelled sites of a graph that chunk the same number of rows.
 
@@ -177,9 +184,7 @@ def _agree_on_chunks(sites: list[MatchedSite], options: Options, profile) -> Non
         counts = set.intersection(*(set(map(int, s.details["predicted"]["by_chunks_ms"])) for s in group))
         if not counts:
             continue
-        total = {n: sum(s.details["predicted"]["by_chunks_ms"][str(n)] for s in group) for n in counts}
-        best = min(total.values())
-        n = min(c for c in counts if total[c] <= best * (1 + CHUNK_TIE))
+        n = pick_count({n: sum(s.details["predicted"]["by_chunks_ms"][str(n)] for s in group) for n in counts})
         for s in group:
             pred = s.details["predicted"]
             s.chunks = pred["chunks"] = n
