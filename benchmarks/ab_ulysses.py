@@ -5,7 +5,8 @@ profile calibrated inside the cluster first. Emulated cluster, interleaved round
 
     sudo python -m benchmarks.ab_ulysses --world 2 --rate 658 --backward-chunks auto 2 4
 
-Prints the median step times (ms), each variant's chunk counts and speedups. A
+Prints the median step times (ms), each variant's chunk counts and speedups, and the time
+it saves beside what the cost model predicts its rewritten sites save. A
 measurement, not a test.
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ def ab_job(mode: str, profile: str, backward_chunks: list, iters: int):
     from overlapc.models import ulysses
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    steps, chunks = {}, {}
+    steps, chunks, saved = {}, {}, {}
     variants = [("base", None)] + [(f"backward {c}", c) for c in backward_chunks]
     for name, c in variants:
         o = (Options(inner="eager", strategy="none", schedule=False) if c is None else
@@ -42,9 +43,10 @@ def ab_job(mode: str, profile: str, backward_chunks: list, iters: int):
         step()  # compiled on the first calls
         step()
         steps[name] = step
+        saved[name] = round(harness.predicted_saving(be.report) * 1e3, 1)
         chunks[name] = sorted({(s.name.split(":")[0], s.chunks) for s in be.report.sites if s.status == "rewritten"})
     t = common.interleaved(steps, iters)
-    return {k: round(statistics.median(v) * 1e3, 1) for k, v in t.items()}, chunks
+    return {k: round(statistics.median(v) * 1e3, 1) for k, v in t.items()}, chunks, saved
 
 
 def main(argv=None):
@@ -62,13 +64,15 @@ def main(argv=None):
         with cluster.world(timeout=1800) as world:
             path, prof = harness._calibrated_profile(world, args.world, args.rate)
             try:
-                t, chunks = world.run(ab_job, args.mode, path, args.backward_chunks, args.iters)[0]
+                t, chunks, saved = world.run(ab_job, args.mode, path, args.backward_chunks, args.iters)[0]
             finally:
                 os.unlink(path)
     print(f"world {args.world} {args.rate:g} Mbit/s {args.mode}; profile overlap_loss {prof['overlap_loss']}, "
+          f"concurrent_excess {prof.get('concurrent_excess')}, "
           f"comm_loss {prof.get('comm_loss')}")
     for k, v in t.items():
-        print(f"  {k:12s} {v:8.1f} ms  speedup {t['base'] / v:.2f}x  chunks {chunks[k]}")
+        print(f"  {k:12s} {v:8.1f} ms  speedup {t['base'] / v:.2f}x  saves {t['base'] - v:6.1f} ms, predicted "
+              f"{saved[k]:6.1f} ms  chunks {chunks[k]}")
 
 
 if __name__ == "__main__":

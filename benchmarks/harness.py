@@ -124,11 +124,7 @@ def bench_job(cfg: dict) -> dict:
     rep = variants["overlapc"][2].report
     # The cost model's view of the same step: what the rewritten sites are predicted to save
     # (base - planned, under the calibrated profile); the rest of the step is taken as measured.
-    saving = 0.0
-    for s in rep.sites:
-        p = s.details.get("predicted")
-        if s.status == "rewritten" and p and str(s.chunks) in p["by_chunks_ms"]:
-            saving += (p["base_ms"] - p["by_chunks_ms"][str(s.chunks)]) / 1e3
+    saving = predicted_saving(rep)
     result["predicted_saving"] = saving
     result["predicted_speedup"] = result["t_base"] / (result["t_base"] - saving) if saving < result["t_base"] else None
     result["sites"] = {
@@ -140,6 +136,17 @@ def bench_job(cfg: dict) -> dict:
         result["timeline"] = common.profile_events(steps["overlapc"])
         result["timeline_base"] = common.profile_events(steps["base"])
     return result
+
+
+def predicted_saving(report) -> float:
+    """Seconds the rewritten sites of a report are predicted to save (base - planned, at
+    their chunk counts): the cost model's view of a step, the rest taken as measured."""
+    saving = 0.0
+    for s in report.sites:
+        p = s.details.get("predicted")
+        if s.status == "rewritten" and p and str(s.chunks) in p["by_chunks_ms"]:
+            saving += (p["base_ms"] - p["by_chunks_ms"][str(s.chunks)]) / 1e3
+    return saving
 
 
 def calibrate_job():

@@ -94,6 +94,28 @@ def _pair_loss(issue, a, b, reps_mm: int, group, reps: int) -> float:
     return min(1.0, max(0.0, (t_both - max(t_c, t_g)) / min(t_c, t_g)))
 
 
+def _concurrent_excess(issue, link: float, group, reps: int) -> float:
+    """Two transfers (``issue()`` returns its work) issued at once against one after the
+    other, timed round by round: the share of a transfer's time beyond ``link`` (its bytes at
+    the link's best rate) that still shows when they run side by side; clamped to [0, 1]."""
+    def seq():
+        issue().wait()
+        issue().wait()
+
+    def together():
+        a, b = issue(), issue()
+        a.wait()
+        b.wait()
+    ts = {"seq": [], "together": []}
+    for _ in range(reps):
+        for k, fn in (("seq", seq), ("together", together)):
+            ts[k].append(_comm_time(fn, group, 1, warm=False))
+    t_seq, t_tog = (sorted(v)[len(v) // 2] / 2 for v in ts.values())
+    if t_seq - link <= 0.05 * t_seq:  # nothing beyond the link's rate to hide
+        return 1.0
+    return min(1.0, max(0.0, (t_tog - link) / (t_seq - link)))
+
+
 def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str = "cpu-local") -> dict:
     group = group or dist.group.WORLD
     world = dist.get_world_size(group)
@@ -217,6 +239,14 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
     loss = _pair_loss(ag, a, b, max(1, round(ys[-1] / t_mm)), group, reps)
     comm_loss = {"all_gather": _pair_loss(ag, a, b, max(1, round(0.5 * ys[-1] / t_mm)), group, reps),
                  "reduce_scatter": _pair_loss(rs_op, a, b, max(1, round(0.5 * ratio[-1][0] / t_mm)), group, reps)}
+    # Several all-to-alls of one chunk issued at once (Ulysses' q, k, v) run side by side on
+    # gloo's threads: a big one's time beyond the link's rate (one TCP connection does not
+    # fill a shaped link: measured 2026-12-04, world 2, 658 Mbit/s, 8 MiB each: 94 ms alone,
+    # 73 ms each two at a time, 51 ms at the link's rate) partly hides.
+    a2a_in, a2a_out = torch.empty(world * COMM_BYTES[-1] // 4), torch.empty(world * COMM_BYTES[-1] // 4)
+    a2a_rate = min(t / b for b, t in curves["all_to_all"])
+    excess = _concurrent_excess(lambda: dist.all_to_all_single(a2a_out, a2a_in, group=group, async_op=True),
+                                a2a_rate * world * COMM_BYTES[-1], group, max(3, reps // 2))
     # Local copy rate (read + write of a 64 MiB tensor counted once), for the concatenations.
     src = torch.empty(1 << 24, dtype=torch.float32)
     dst = torch.empty_like(src)
@@ -237,6 +267,7 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
         "min_gain": 0.03,
         "concurrent_reductions": dist.get_backend(group) == "gloo",
         "comm_threads": 2 if dist.get_backend(group) == "gloo" else 1,  # ProcessGroupGloo's default threads
+        "concurrent_excess": round(excess, 3),
         "rs_factor": rs_factor,
         "rs_large": rs_large,
         "fused_efficiency": None,

@@ -161,6 +161,33 @@ def test_concurrent_reductions_hide_latency_under_a_neighbours_transfer():
     assert sum(float(t) for t in cost.stage_times(st, fr, 4, None, serial)) == pytest.approx(whole + 7 * lat)
 
 
+def test_a_chunks_several_all_to_alls_hide_what_is_beyond_the_link_rate():
+    # Ulysses: q, k and v go through one all-to-all each; the schedule issues a chunk's three
+    # at once (the unrewritten graph waits on each), so each pays its bytes at the link's best
+    # rate and only concurrent_excess of the rest. A measured curve slower per byte for big
+    # messages (one TCP connection does not fill a shaped link):
+    curve = ((1 << 20, 0.0066), (4 << 20, 0.038), (8 << 20, 0.092))
+    serial = dataclasses.replace(cost.load_profile("h100-nvlink"), curves={"all_to_all": curve}, curves_world=2)
+    p = dataclasses.replace(serial, concurrent_excess=0.5)
+    B = 3 * (8 << 20)
+    qkv, one = cost.Stage("comm", "all_to_all", B, count=3), cost.Stage("comm", "all_to_all", B // 3)
+    rate = 0.0066 / (1 << 20)  # the best per byte: the 1 MiB point
+    assert float(cost.t_link("all_to_all", 4 << 20, 2, p)) == pytest.approx(rate * (4 << 20))
+    halves = [float(t) for t in cost.stage_times(qkv, cost.chunk_fracs(2), 2, None, p)]
+    assert halves == pytest.approx([3 * (rate * (4 << 20) + 0.5 * (0.038 - rate * (4 << 20)))] * 2)
+    serial_halves = [float(t) for t in cost.stage_times(qkv, cost.chunk_fracs(2), 2, None, serial)]
+    assert serial_halves == pytest.approx([3 * 0.038] * 2)
+    # Whole (the baseline waits on each) and one collective per chunk: as before.
+    assert float(cost.stage_times(qkv, [1], 2, None, p)[0]) == pytest.approx(3 * 0.092)
+    assert cost.stage_times(one, cost.chunk_fracs(2), 2, None, p) == cost.stage_times(
+        one, cost.chunk_fracs(2), 2, None, serial)
+    # Without a curve the excess is the formula's latency.
+    ab = dataclasses.replace(p, curves={})
+    lat = float(cost.t_comm("all_to_all", 0, 2, ab))
+    t = [float(x) for x in cost.stage_times(qkv, cost.chunk_fracs(2), 2, None, ab)]
+    assert t == pytest.approx([3 * (float(cost.t_comm("all_to_all", 4 << 20, 2, ab)) - 0.5 * lat)] * 2)
+
+
 def test_pipeline_matches_flow_plus_overheads():
     p = cost.load_profile("h100-nvlink")
     g = p.gemm["bfloat16"]
