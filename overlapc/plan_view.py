@@ -44,12 +44,18 @@ def plan_table(report: Report, opts: Options) -> str:
     skipped = [s for s in report.sites if s.status == "skipped" and s.pattern != "collective"]
     for s in skipped:
         out.append(f"skipped {s.name}: {s.reason}")
+    for s in rows:
+        if s.details.get("fuse_not_taken"):
+            out.append(f"not fused {s.name}: predicted {_ms(s.details['predicted']['fused_ms'])} ms fused, but "
+                       f"{s.details['fuse_not_taken']}")
     return "\n".join(out)
 
 
 def plan_json(report: Report, opts: Options) -> str:
     return json.dumps([{"name": s.name, "status": s.status, "strategy": s.strategy, "chunks": s.chunks,
-                        "reason": s.reason, **s.details["predicted"]} for s in _rows(report)], indent=1)
+                        "reason": s.reason, **s.details["predicted"],
+                        **({"fuse_not_taken": s.details["fuse_not_taken"]} if s.details.get("fuse_not_taken") else {})}
+                       for s in _rows(report)], indent=1)
 
 
 def timeline(report: Report, opts: Options):

@@ -118,6 +118,7 @@ class Profile:
                                     # inefficiency, latency) that still shows when a chunk's several
                                     # all-gathers / all-to-alls are issued at once (1: none hides)
     fused_efficiency: float | None = None  # fused kernels' GEMM rate relative to plain GEMMs; None: no fused kernels
+    device: str = "cpu"             # what the profile describes ("cuda": a GPU cluster, planned from anywhere)
     curves: dict = field(default_factory=dict)  # collective kind -> ((input bytes per rank, s), ...):
                                                 # measured times, used instead of alpha-beta ...
     curves_world: int | None = None             # ... for groups of this many ranks only
@@ -141,7 +142,7 @@ def profile_from_dict(d: dict, path: str | None = None) -> Profile:
                        concurrent_reductions=bool(d.get("concurrent_reductions", False)),
                        comm_threads=d.get("comm_threads"),
                        concurrent_excess=float(d.get("concurrent_excess", 1.0)),
-                       fused_efficiency=d.get("fused_efficiency"),
+                       fused_efficiency=d.get("fused_efficiency"), device=str(d.get("device", "cpu")),
                        curves={k: _monotone(v) for k, v in (d.get("curves") or {}).items() if v},
                        curves_world=int(d["curves_world"]) if d.get("curves") or d.get("rs_large") else None)
     except (KeyError, TypeError, ValueError) as e:

@@ -31,13 +31,19 @@ at least ``AUTO_MIN_BYTES`` per rank, chunks min(4, extent).
 
 ``strategy="fuse"`` replaces AllGather -> mm and mm -> ReduceScatter sites by the fused
 Triton ops (passes/fuse.py) where the group has symmetric memory, and says why elsewhere.
-"auto" never fuses yet: on the CPU the kernels run in Triton's interpreter (for
-correctness, far slower than BLAS), and the multi-GPU workspace is not built.
+"auto" fuses where the profile prices fused kernels (``fused_efficiency``: the GPU
+profiles), the fused time (passes/cost.t_fused) beats the best decomposition and the
+baseline by ``min_gain``, and the site can be fused on the profile's device; the CPU
+profiles have none (the
+kernels run in Triton's interpreter, for correctness, far slower than BLAS), and the
+multi-GPU workspace is not built, so today auto fuses only under a profile file that
+prices them on a group with symmetric memory.
 """
 from __future__ import annotations
 
 from overlapc.errors import OverlapError
 from overlapc.options import Options
+from overlapc.runtime import symm
 
 from . import all_to_all, cost, dropless, fuse, lower, ops
 from .deps import DepGraph
@@ -212,11 +218,7 @@ def _plan_each(sites: list[MatchedSite], options: Options, deps: DepGraph, profi
             if why:
                 site.reason = f"strategy 'fuse': {why}"
                 continue
-            # AG: the copy engine's chunks (flags per chunk); RS: the kernel signals per tile.
-            n = None
-            if isinstance(site, fuse.AllGatherMatmulSite):
-                n = min(lower.RULES[type(site)].extent(site), MAX_AUTO_CHUNKS if chunks == "auto" else chunks)
-            site.strategy, site.chunks, site.status, site.timeout = "fuse", n, "planned", options.timeout
+            _plan_fused(site, chunks, options)
             continue
         rule = lower.RULES.get(type(site))
         if rule is None:
@@ -266,6 +268,12 @@ def _plan_each(sites: list[MatchedSite], options: Options, deps: DepGraph, profi
         if pred is not None:
             site.details["predicted"] = {"profile": profile.name, **pred.to_dict(), "bytes": nbytes,
                                          "flops": pred.flops, "dtype": pred.dtype, "copy_bytes": pred.copy_bytes}
+            if strategy == "auto" and _fuse_pays(site, pred, profile, deps):
+                _plan_fused(site, chunks, options)
+                p = site.details["predicted"]
+                p.update(strategy="fuse", chunks=site.chunks, best_ms=p["fused_ms"],
+                         gain=round((p["base_ms"] - p["fused_ms"]) / p["base_ms"], 4))
+                continue
             if strategy == "auto" and pred.gain < profile.min_gain:
                 site.reason = cost.describe_skip(pred, profile, _where(site))
                 continue
@@ -287,6 +295,34 @@ def _plan_each(sites: list[MatchedSite], options: Options, deps: DepGraph, profi
                 site.details["chunks_clamped"] = f"{chunks} -> {limit}: only {limit} rows to split"
             n = limit
         site.strategy, site.chunks, site.status = "decompose", n, "planned"
+
+
+def _plan_fused(site: MatchedSite, chunks, options: Options) -> None:
+    # AG: the copy engine's chunks (flags per chunk); RS: the kernel signals per tile.
+    n = None
+    if isinstance(site, fuse.AllGatherMatmulSite):
+        n = min(lower.RULES[type(site)].extent(site), MAX_AUTO_CHUNKS if chunks == "auto" else chunks)
+    site.strategy, site.chunks, site.status, site.timeout = "fuse", n, "planned", options.timeout
+
+
+def _fuse_pays(site: MatchedSite, pred: cost.Prediction, profile: cost.Profile, deps: DepGraph) -> bool:
+    """strategy "auto": whether the fused op is predicted faster than the best decomposition
+    and than the baseline by ``min_gain``, and the site can be fused here. Only profiles with
+    fused kernels worth running have a ``fused_efficiency`` (the GPU ones; not the CPU, whose
+    kernels run in Triton's interpreter). The fused prediction, and why a fusion that would
+    pay is not taken, go into the site's details."""
+    if not profile.fused_efficiency or not isinstance(site, fuse.FUSED_KINDS):
+        return False
+    t = float(cost.t_fused(pred.comm, pred.gemm, profile))
+    site.details["predicted"]["fused_ms"] = round(t * 1e3, 4)
+    if t >= pred.best or (pred.base - t) / pred.base < profile.min_gain:
+        return False
+    why = fuse.can_fuse(site, deps)
+    if why is None and profile.device == "cuda":  # a GPU cluster's plan, traced here on CPU tensors
+        why = symm.cuda_supported(None)
+    if why:
+        site.details["fuse_not_taken"] = why
+    return why is None
 
 
 def _where(site: MatchedSite) -> str:

@@ -299,3 +299,40 @@ def test_fuse_plan_structure(fake_mesh8):
     report = overlapc.explain(model, *inputs, options={"strategy": "fuse"})
     a2a = [s for s in report.sites if s.pattern.endswith("all_to_all") or s.pattern.startswith("all_to_all")]
     assert a2a and all(s.status == "skipped" and "no fused kernel for" in s.reason for s in a2a), report
+
+
+def test_auto_fuses_where_the_model_says_it_pays(fake_mesh8, tmp_path):
+    """strategy "auto" prices the fused op (cost.t_fused) beside the decompositions: under a
+    GPU profile (device "cuda") the sites where fusion would pay say why it is not taken (no
+    CUDA workspace), and the plan is what it was; under the same figures for a device with
+    symmetric memory here, exactly those sites are fused, and the plan shows the fused time."""
+    import json
+
+    import overlapc
+    from overlapc.models import llama
+    from overlapc.passes import cost
+
+    def plan(hardware):
+        model, inputs = llama.build_tp_sp(fake_mesh8, n_layers=1, dim=512, ffn_dim=1024, seq=1024)
+        rep = overlapc.explain(model, *inputs, options={"hardware": hardware})
+        return {s.name: s for s in rep.sites if s.details.get("predicted")}
+
+    gpu = plan("h100-nvlink")
+    pays = {n for n, s in gpu.items() if s.details.get("fuse_not_taken")}
+    assert pays and all("CUDA symmetric-memory workspace" in gpu[n].details["fuse_not_taken"] for n in pays)
+    assert all(s.strategy != "fuse" for s in gpu.values())
+    for s in gpu.values():  # fusion is offered exactly where the model prices it below both
+        p = s.details["predicted"]
+        wins = p["fused_ms"] < min(p["by_chunks_ms"].values()) and p["fused_ms"] <= p["base_ms"] * (1 - 0.02)
+        assert (s.name in pays) == wins, (s.name, p)
+    here = json.loads((cost.PROFILE_DIR / "h100-nvlink.json").read_text())
+    here.update(name="h100-figures-on-cpu", device="cpu")
+    path = tmp_path / "here.json"
+    path.write_text(json.dumps(here))
+    cpu = plan(str(path))
+    assert {n for n, s in cpu.items() if s.strategy == "fuse"} == pays
+    for n in pays:
+        p = cpu[n].details["predicted"]
+        assert cpu[n].status == "rewritten" and p["strategy"] == "fuse" and p["best_ms"] == p["fused_ms"]
+    # The CPU profiles price no fused kernels (they run in Triton's interpreter): never fused.
+    assert all(s.strategy != "fuse" for s in plan("cpu-default").values())
