@@ -298,9 +298,22 @@ def test_calibrate_gives_every_rank_rank0s_numbers(world2, tmp_path):
     for kind in ("all_gather", "all_to_all"):
         for b, t in prof.curves[kind]:
             assert float(cost.t_comm(kind, b, 2, prof)) == pytest.approx(t)
+    assert 0.0 <= p["concurrent_excess"] <= 1.0
     f = tmp_path / "local.json"
     f.write_text(json.dumps(p))
     assert cost.load_profile(str(f)).name == "cpu-local"
+
+
+def test_calibration_takes_the_typical_time_of_a_bimodal_transfer():
+    # Over a shaped TCP link a big transfer takes one of two times, about half and half: a
+    # median lands on either mode; the mean without the extremes stays between them.
+    from overlapc.calibrate import _typical
+
+    runs = [100, 167, 101, 166, 99, 168, 100, 167, 500]  # one straggler
+    assert _typical(runs) == pytest.approx((sum(runs) - 99 - 500) / 7)
+    a, b = [100] * 4 + [167] * 5, [100] * 5 + [167] * 4  # medians 167 and 100
+    assert abs(_typical(a) - _typical(b)) < 0.07 * _typical(a)
+    assert _typical([3, 1, 2]) == 2  # too few to drop any: the median
 
 
 def _moe_plan(mesh, profile, overrides=None, **kw):

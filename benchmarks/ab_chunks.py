@@ -1,0 +1,101 @@
+"""Same-run A/B of chunk counts on an all-to-all model (the Ulysses attention block or the
+capacity MoE layer, as their benchmarks build them): the baseline and overlapc with the
+sites matching ``--sites`` held at fixed chunk counts (per-site overrides; the cost model
+still picks the axis that can honour the count, and everything else), under a profile
+calibrated inside the cluster first. Emulated cluster, interleaved rounds.
+
+    sudo python -m benchmarks.ab_chunks --model ulysses --world 2 --rate 658 --chunks auto 2 4
+    sudo python -m benchmarks.ab_chunks --model moe --world 2 --rate 388 --chunks auto 3 4 6
+
+Prints the median step times (ms), each variant's chunk counts and speedups, and the time
+it saves beside what the cost model predicts its rewritten sites save. A
+measurement, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import common, harness
+
+MODELS = {  # builder, keyword arguments (the defaults of bench_ulysses / bench_moe), sites held
+    "ulysses": ("overlapc.models.ulysses:build_ulysses", dict(dim=1024, n_heads=16, batch=2, seq=2048), "backward:*"),
+    "moe": ("overlapc.models.moe:build_ep", dict(tokens=1024, dim=1024, hidden=2048, n_experts=8, top_k=2,
+                                                 capacity_factor=1.25, expert_form="bmm", dtype="float32"), "*"),
+}
+
+
+def ab_job(model_name: str, mode: str, profile: str, sites: str, counts: list, iters: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from overlapc import Backend, Options
+
+    builder, kw, _ = MODELS[model_name]
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    steps, chunks, saved, preds = {}, {}, {}, {}
+    # "compute": the baseline with its collectives replaced by local copies (compute alone).
+    variants = [("base", None), ("compute", None)] + [(f"{sites} {c}", c) for c in counts]
+    for name, c in variants:
+        o = (Options(inner="eager", strategy="none", schedule=False) if c is None else
+             Options(inner="eager", strategy="decompose", chunks="auto", hardware=profile,
+                     overrides={} if c == "auto" else {sites: {"chunks": int(c)}}))
+        torch.manual_seed(0)
+        model, inputs = harness._build({"builder": builder})(mesh, **kw)
+        be = Backend(o, extra_passes=(common.strip_collectives,) if name == "compute" else ())
+        step = harness._step_fn(torch.compile(model, backend=be), model, inputs, mode)
+        step()  # compiled on the first calls
+        step()
+        steps[name] = step
+        saved[name] = round(harness.predicted_saving(be.report) * 1e3, 1)
+        preds[name] = {s.name: {"chunks": s.chunks, "status": s.status, **s.details["predicted"]}
+                       for s in be.report.sites if s.details.get("predicted")}
+        chunks[name] = sorted({(s.name.split(":")[0], s.chunks) for s in be.report.sites if s.status == "rewritten"})
+    t = common.interleaved(steps, iters)
+    return {k: round(statistics.median(v) * 1e3, 1) for k, v in t.items()}, chunks, saved, preds
+
+
+def main(argv=None):
+    from benchmarks.cluster import EmulatedCluster
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ab_chunks")
+    p.add_argument("--model", default="ulysses", choices=sorted(MODELS))
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--rate", type=float, default=658.0, help="link rate, Mbit/s")
+    p.add_argument("--mode", default="train", choices=["train", "forward"])
+    p.add_argument("--chunks", nargs="+", default=["auto", "2", "4"])
+    p.add_argument("--sites", default=None, help="the sites held at each count (a site-name glob; default: "
+                   "the Ulysses backward's, every MoE site)")
+    p.add_argument("--save", metavar="FILE", help="write the profile, times and every site's prediction as JSON")
+    p.add_argument("--iters", type=int, default=11)
+    args = p.parse_args(argv)
+    EmulatedCluster.cleanup_stale()
+    with EmulatedCluster(args.world, rate_mbit=args.rate) as cluster:
+        with cluster.world(timeout=1800) as world:
+            path, prof = harness._calibrated_profile(world, args.world, args.rate)
+            try:
+                sites = args.sites or MODELS[args.model][2]
+                t, chunks, saved, preds = world.run(ab_job, args.model, args.mode, path, sites, args.chunks, args.iters)[0]
+            finally:
+                os.unlink(path)
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump({"args": vars(args), "profile": prof, "times_ms": t, "predicted": preds}, f, indent=1)
+    print(f"{args.model}, world {args.world} {args.rate:g} Mbit/s {args.mode}; profile overlap_loss {prof['overlap_loss']}, "
+          f"concurrent_excess {prof.get('concurrent_excess')}, "
+          f"comm_loss {prof.get('comm_loss')}")
+    for k, v in t.items():
+        print(f"  {k:16s} {v:8.1f} ms  speedup {t['base'] / v:.2f}x  saves {t['base'] - v:6.1f} ms, predicted "
+              f"{saved[k]:6.1f} ms  chunks {chunks[k]}")
+        rw = [p for p in preds[k].values() if p["status"] == "rewritten" and "base_ms" in p]
+        if rw:  # the model's view of what it rewrote, unrewritten (regions counted once)
+            print(f"  {'':16s} model of the rewritten sites unchunked: {sum(p['base_ms'] for p in rw):.1f} ms "
+                  f"(comm {sum(p['comm_ms'] for p in rw):.1f}, GEMMs {sum(p['gemm_ms'] for p in rw):.1f})")
+
+
+if __name__ == "__main__":
+    main()
