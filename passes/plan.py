@@ -33,11 +33,10 @@ at least ``AUTO_MIN_BYTES`` per rank, chunks min(4, extent).
 Triton ops (passes/fuse.py) where the group has symmetric memory, and says why elsewhere.
 "auto" fuses where the profile prices fused kernels (``fused_efficiency``: the GPU
 profiles), the fused time (passes/cost.t_fused) beats the best decomposition and the
-baseline by ``min_gain``, and the site can be fused on the profile's device; the CPU
-profiles have none (the
-kernels run in Triton's interpreter, for correctness, far slower than BLAS), and the
-multi-GPU workspace is not built, so today auto fuses only under a profile file that
-prices them on a group with symmetric memory.
+baseline by ``min_gain``, and the site can be fused on the profile's device. The CPU
+profiles price none (the kernels run in Triton's interpreter, for correctness, far slower
+than BLAS) and the multi-GPU workspace is not built, so today auto fuses only under a
+profile file that prices them on a group with symmetric memory.
 """
 from __future__ import annotations
 
