@@ -321,6 +321,7 @@ def _fuse_pays(site: MatchedSite, pred: cost.Prediction, profile: cost.Profile, 
         why = symm.cuda_supported(None)
     if why:
         site.details["fuse_not_taken"] = why
+        site.details.pop("fuse_left_whole", None)  # can_fuse's note on consumers, for a fused site only
     return why is None
 
 
