@@ -52,7 +52,8 @@ def ab_job(model_name: str, mode: str, profile: str, sites: str, counts: list, i
         step()
         steps[name] = step
         saved[name] = round(harness.predicted_saving(be.report) * 1e3, 1)
-        preds[name] = {s.name: {"chunks": s.chunks, "status": s.status, **s.details["predicted"]}
+        # ("chunks" in a prediction is the model's best count; "used_chunks" the site's.)
+        preds[name] = {s.name: {**s.details["predicted"], "status": s.status, "used_chunks": s.chunks}
                        for s in be.report.sites if s.details.get("predicted")}
         chunks[name] = sorted({(s.name.split(":")[0], s.chunks) for s in be.report.sites if s.status == "rewritten"})
     t = common.interleaved(steps, iters)

@@ -144,10 +144,11 @@ def predicted_saving(report) -> float:
     saving = 0.0
     for s in report.sites:
         p = s.details.get("predicted")
-        if s.status == "rewritten" and p and s.strategy == "fuse" and "fused_ms" in p:
-            saving += (p["base_ms"] - p["fused_ms"]) / 1e3
-        elif s.status == "rewritten" and p and str(s.chunks) in p["by_chunks_ms"]:
-            saving += (p["base_ms"] - p["by_chunks_ms"][str(s.chunks)]) / 1e3
+        if s.status != "rewritten" or not p:
+            continue
+        planned = p.get("fused_ms") if s.strategy == "fuse" else p["by_chunks_ms"].get(str(s.chunks))
+        if planned is not None:
+            saving += (p["base_ms"] - planned) / 1e3
     return saving
 
 

@@ -85,6 +85,17 @@ def _comm_time(fn, group, reps: int, warm: bool = True) -> float:
     return float(t)
 
 
+def _rounds(fns, group, reps: int) -> list[float]:
+    """Each of ``fns`` timed once per round (slowest rank, barrier before each), ``reps``
+    rounds: their typical times, in order. Round by round, so that drift and the other
+    ranks' load hit all of them alike."""
+    ts = [[] for _ in fns]
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            ts[i].append(_comm_time(fn, group, 1, warm=False))
+    return [_typical(v) for v in ts]
+
+
 def _pair_loss(issue, a, b, reps_mm: int, group, reps: int) -> float:
     """(both - longer) / shorter for a transfer (``issue()`` returns its work) and ``reps_mm``
     GEMMs ``a @ b`` started together, each of the three timed in every round (slowest rank,
@@ -98,11 +109,7 @@ def _pair_loss(issue, a, b, reps_mm: int, group, reps: int) -> float:
         gemms()
         work.wait()
     both()
-    ts = {"c": [], "g": [], "both": []}
-    for _ in range(reps):
-        for k, fn in (("c", lambda: issue().wait()), ("g", gemms), ("both", both)):
-            ts[k].append(_comm_time(fn, group, 1, warm=False))
-    t_c, t_g, t_both = (_typical(v) for v in ts.values())
+    t_c, t_g, t_both = _rounds((lambda: issue().wait(), gemms, both), group, reps)
     return min(1.0, max(0.0, (t_both - max(t_c, t_g)) / min(t_c, t_g)))
 
 
@@ -118,11 +125,7 @@ def _concurrent_excess(issue, link: float, group, reps: int) -> float:
         a, b = issue(), issue()
         a.wait()
         b.wait()
-    ts = {"seq": [], "together": []}
-    for _ in range(reps):
-        for k, fn in (("seq", seq), ("together", together)):
-            ts[k].append(_comm_time(fn, group, 1, warm=False))
-    t_seq, t_tog = (_typical(v) / 2 for v in ts.values())
+    t_seq, t_tog = (t / 2 for t in _rounds((seq, together), group, reps))
     if t_seq - link <= 0.05 * t_seq:  # nothing beyond the link's rate to hide
         return 1.0
     return min(1.0, max(0.0, (t_tog - link) / (t_seq - link)))

@@ -299,15 +299,16 @@ def stage_times(st: Stage, fracs: list, world: int, gemm: Gemm, p: Profile) -> l
         return [st.count * t_gemm(sympy.sympify(st.amount) * f / st.count, gemm, None if st.rows is None else rows(f))
                 for f in fracs]
     one = [sympy.sympify(st.amount) * f / st.count for f in fracs]  # bytes of one collective per chunk
-    ts = [st.count * t_comm(st.kind, b, world, p) for b in one]
-    if st.kind in ("all_gather", "all_to_all") and st.count > 1 and len(ts) > 1 and p.concurrent_excess < 1:
+    each = [t_comm(st.kind, b, world, p) for b in one]
+    if st.kind in ("all_gather", "all_to_all") and st.count > 1 and len(fracs) > 1 and p.concurrent_excess < 1:
         # A chunk's collectives (Ulysses: q, k and v) are issued at once by the schedule (the
         # unrewritten graph waits on each before the next): run side by side on the group's
         # threads, each pays its bytes at the link's rate and only ``concurrent_excess`` of
         # the rest. Measured (world 2, 658 Mbit/s, three 8 MiB all-to-alls): 281 ms one after
         # another, 218 ms issued at once; in 2 chunks 233 / 178, in 8 chunks 163 / 158.
         links = [t_link(st.kind, b, world, p) for b in one]
-        ts = [st.count * (lk + p.concurrent_excess * (t / st.count - lk)) for t, lk in zip(ts, links)]
+        each = [lk + p.concurrent_excess * (t - lk) for t, lk in zip(each, links)]
+    ts = [st.count * t for t in each]
     if st.kind in ("reduce_scatter", "all_reduce") and p.concurrent_reductions and len(ts) > 1:
         # Issued at once, they run ``comm_threads`` at a time (gloo: ProcessGroupGloo's two
         # worker threads): a chunk after the first adds its transfer where the link is the
