@@ -57,6 +57,12 @@ def strip_collectives(gm: torch.fx.GraphModule) -> None:
             elif coll.target is ops.REDUCE_SCATTER:
                 block = ops.shape(x)[0] // coll.args[2]
                 local = b.contiguous(b.slice(x, 0, 0, block))
+            elif _same_shape(ops.shape(coll), ops.shape(x)):
+                # Even (an all-to-all traced with split lists too: equal ones). A copy, not
+                # zeros: a dropless MoE's exchange of per-expert counts must keep counts that
+                # add up, as if every rank routed like this one (zeros gave its experts no
+                # rows: compute alone ran about a tenth of the step's GEMM time).
+                local = b.contiguous(x)
             elif coll.target is ops.ALL_TO_ALL and isinstance(coll.args[1], (list, tuple)) and coll.args[1]:
                 # Uneven (run-time splits): as many rows as this rank receives; zeros, since
                 # the peers' rows are gone. Its size is the sum of the output splits.
@@ -64,8 +70,6 @@ def strip_collectives(gm: torch.fx.GraphModule) -> None:
                 for s in coll.args[1][1:]:
                     rows = b.call(operator.add, rows, s)
                 local = b.call(ops.aten.new_zeros.default, x, [rows, *ops.shape(x)[1:]])
-            elif _same_shape(ops.shape(coll), ops.shape(x)):
-                local = b.contiguous(x)
             else:
                 continue
         wait.replace_all_uses_with(local)

@@ -31,3 +31,39 @@ def test_loaded_times_agree_across_ranks(world2):
 def test_a_bad_replay_raises_on_every_rank(world2):
     errs = world2.run(_loaded, "no_such_dtype", timeout=120)
     assert all(isinstance(e, str) and "no_such_dtype" in e for e in errs), errs
+
+
+
+def _expert_rows(cfg: dict) -> list[int]:
+    """Job: the rows each grouped matmul of the dropless MoE's compute-alone step gets."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks import common
+    from overlapc import Backend, Options
+    from overlapc.models import moe
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model, (x,) = moe.build_ep(mesh, **cfg)
+    be = Backend(Options(inner="eager", strategy="none", schedule=False), extra_passes=(common.strip_collectives,))
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        fn = torch.compile(model, backend=be)
+        fn(x)
+        # (The profiler, not a dispatch mode: under a dispatch mode dynamo runs the eager model.)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            fn(x)
+    return [e.input_shapes[0][0] for e in prof.events() if e.name == "aten::_grouped_mm"]
+
+
+def test_compute_alone_keeps_the_experts_rows(world2):
+    """benchmarks/common.strip_collectives (T_compute): the dropless MoE's exchange of
+    per-expert counts becomes a copy, so its experts still get every routed row (as zeros,
+    as if every rank routed like this one); with the counts zeroed they got none and
+    T_compute held a tenth of the step's GEMM time."""
+    cfg = dict(tokens=64, dim=32, hidden=64, n_experts=4, top_k=2, form="dropless", expert_form="grouped",
+               dtype="bfloat16")
+    for rows in world2.run(_expert_rows, cfg):
+        assert len(rows) == 3 and all(r == cfg["tokens"] * cfg["top_k"] for r in rows), rows
