@@ -36,8 +36,9 @@ def strip_collectives(gm: torch.fx.GraphModule) -> None:
     """Replace each functional collective and its wait by a local op of the same shape.
 
     all_gather -> cat of W copies; reduce_scatter -> a copy of the first block; all_reduce
-    and all_to_all -> a copy. The copies keep the memory traffic a collective's buffers
-    cost locally; the network and the peers' work are gone.
+    and even all_to_all -> a copy; uneven all_to_all -> zeros of the size received. The
+    copies keep the memory traffic a collective's buffers cost locally; the network and the
+    peers' work are gone.
     """
     from overlapc.passes import ops
     from overlapc.passes.build import Builder

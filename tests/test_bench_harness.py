@@ -33,7 +33,6 @@ def test_a_bad_replay_raises_on_every_rank(world2):
     assert all(isinstance(e, str) and "no_such_dtype" in e for e in errs), errs
 
 
-
 def _expert_rows(cfg: dict) -> list[int]:
     """Job: the rows each grouped matmul of the dropless MoE's compute-alone step gets."""
     import torch
