@@ -41,12 +41,15 @@ def ab_job(model_name: str, mode: str, profile: str, sites: str, counts: list, i
     # "compute": the baseline with its collectives replaced by local copies (compute alone).
     variants = [("base", None), ("compute", None)] + [(f"{sites} {c}", c) for c in counts]
     for name, c in variants:
-        o = (Options(inner="eager", strategy="none", schedule=False) if c is None else
-             Options(inner="eager", strategy="decompose", chunks="auto", hardware=profile,
-                     overrides={} if c == "auto" else {sites: {"chunks": int(c)}}))
+        if name == "compute":
+            be = harness.compute_alone("eager")
+        elif c is None:
+            be = Backend(Options(inner="eager", strategy="none", schedule=False))
+        else:
+            be = Backend(Options(inner="eager", strategy="decompose", chunks="auto", hardware=profile,
+                                 overrides={} if c == "auto" else {sites: {"chunks": int(c)}}))
         torch.manual_seed(0)
         model, inputs = harness._build({"builder": builder})(mesh, **kw)
-        be = Backend(o, extra_passes=(common.strip_collectives,) if name == "compute" else ())
         step = harness._step_fn(torch.compile(model, backend=be), model, inputs, mode)
         step()  # compiled on the first calls
         step()

@@ -41,6 +41,14 @@ def _build(cfg):
     return getattr(importlib.import_module(mod), fn)
 
 
+def compute_alone(inner: str):
+    """The backend of T_compute: no overlap, and every collective replaced by a local op of
+    its shape (common.strip_collectives)."""
+    from overlapc import Backend, Options
+
+    return Backend(Options(inner=inner, strategy="none", schedule=False), extra_passes=(common.strip_collectives,))
+
+
 def _variants(cfg):
     """The three compiled copies of the model (same seed: same weights) and their backends."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -49,18 +57,18 @@ def _variants(cfg):
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     inner = cfg["inner"]
-    opts = {
-        "base": Options(inner=inner, strategy="none", schedule=False),
-        "overlapc": Options(inner=inner, strategy="decompose", chunks=cfg["chunks"],
-                            overrides=cfg.get("overrides", {}), hardware=cfg.get("hardware")),
-        "compute": Options(inner=inner, strategy="none", schedule=False),
+    backends = {
+        "base": lambda: Backend(Options(inner=inner, strategy="none", schedule=False)),
+        "overlapc": lambda: Backend(Options(inner=inner, strategy="decompose", chunks=cfg["chunks"],
+                                            overrides=cfg.get("overrides", {}), hardware=cfg.get("hardware"))),
+        "compute": lambda: compute_alone(inner),
     }
     out = {}
-    for name, o in opts.items():
+    for name, make in backends.items():
         # Inputs as built: a float input that requires grad stands for an earlier layer's
         # output (the MoE's dispatch all-to-all has a backward only then).
         model, inputs = _build(cfg)(mesh, **cfg["model"])
-        be = Backend(o, extra_passes=(common.strip_collectives,) if name == "compute" else ())
+        be = make()
         out[name] = (torch.compile(model, backend=be), model, be, inputs)
     return out
 

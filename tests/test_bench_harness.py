@@ -40,13 +40,12 @@ def _expert_rows(cfg: dict) -> list[int]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks import common
-    from overlapc import Backend, Options
+    from benchmarks import harness
     from overlapc.models import moe
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model, (x,) = moe.build_ep(mesh, **cfg)
-    be = Backend(Options(inner="eager", strategy="none", schedule=False), extra_passes=(common.strip_collectives,))
+    be = harness.compute_alone("eager")
     torch._dynamo.reset()
     with torch._dynamo.config.patch(capture_scalar_outputs=True):
         fn = torch.compile(model, backend=be)
