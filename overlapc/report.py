@@ -16,6 +16,7 @@ PATTERNS = (
     "matmul_all_reduce",
     "all_to_all_matmul",
     "matmul_all_to_all",
+    "microbatch",
     "collective",
 )
 GRAPHS = ("forward", "backward", "inference")
@@ -27,7 +28,8 @@ class Site:
     name: str
     """Stable name, the key of per-site overrides: "<graph>:<module>:<pattern>[#n]"."""
     pattern: str
-    """One of PATTERNS; "collective" for a collective that is part of no site."""
+    """One of PATTERNS; "collective" for a collective that is part of no site; "microbatch" for a
+    region of the graph cut into batch slices (option microbatches, passes/microbatch.py)."""
     graph: str
     """"forward", "backward" or "inference"."""
     status: str

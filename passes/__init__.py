@@ -13,6 +13,7 @@ from overlapc.report import Site
 from .deps import DepGraph
 from .lower import lower_sites
 from .match import find_sites
+from .microbatch import report_rows, split_microbatches
 from .normalize import normalize
 from .plan import plan_sites
 from .schedule import legalize, schedule
@@ -22,6 +23,11 @@ def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None) -
     """Run the pipeline on one captured graph in place; return its report rows in graph order."""
     options = options or Options()
     normalize(gm)
+    cuts = []
+    if options.microbatches > 1:
+        cuts = report_rows(split_microbatches(gm.graph, options.microbatches), graph_kind, options.microbatches)
+        if any(r.status == "rewritten" for r in cuts):
+            legalize(gm.graph)
     deps = DepGraph(gm.graph)
     sites, loose = find_sites(gm.graph, graph_kind, deps)
     order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
@@ -33,9 +39,10 @@ def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None) -
         legalize(gm.graph)
     reordered = options.schedule and schedule(gm.graph)
     # Tells the inductor inner compiler to keep this order through its own scheduler.
-    gm.meta["overlapc_changed"] = bool(rewritten or reordered)
+    gm.meta["overlapc_changed"] = bool(rewritten or reordered or any(r.status == "rewritten" for r in cuts))
     rows = [s.to_report() for s in sites] + [l.to_report() for l in loose]
     rows.sort(key=lambda r: order.get(r.collective, 0))
+    rows = cuts + rows
     gm.graph.lint()
     gm.recompile()
     return rows

@@ -21,7 +21,11 @@ world-2 MoE training step with the collectives stripped: the partials' adds alon
 255 ms of an 887 ms step; with the sums deferred the step took 720 ms); in bf16/fp16 too,
 where it is whole anyway. An all-to-all fed by the region is a *terminal*: it can run chunk by
 chunk, so chunk c of the next collective waits only for chunk c of the first. Everything
-else reads the region's tensors whole, rebuilt from their chunks.
+else reads the region's tensors whole, rebuilt from their chunks. A micro-batch region
+(passes/microbatch.py) also takes in all-gathers and reduce-scatters (dim 0 holds the ranks'
+blocks: the axis' outer factor grows or shrinks by the world size) and sequence
+parallelism's split/cat idioms around them (a split or cat along the axis dim keeps whole
+blocks of it).
 
 Each op is replayed per chunk with the same arguments, except its shape arguments (the
 axis dim shrinks) and its operands from outside the region, which are narrowed to the
@@ -43,6 +47,14 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 PIECE = "piece"
 """Operand treatment: the operand is in the region; use its chunk."""
+
+CHUNKABLE = (ops.ALL_TO_ALL, ops.ALL_GATHER, ops.REDUCE_SCATTER)
+"""Collectives a region can carry chunk by chunk. All-to-all regions take in all-to-alls only
+(their growers' ``kinds``); a micro-batch region (passes/microbatch.py) takes all three."""
+
+
+def in_region_kind(node: Node) -> bool:
+    return node.op == "call_function" and node.target in CHUNKABLE
 
 
 @dataclass(frozen=True)
@@ -125,6 +137,8 @@ def _broadcast_treatment(operand: Node, out_shape: list[int], axis: Axis):
     k = axis.dim - (len(out_shape) - len(s))  # its dim aligned with the axis dim
     if len(s) <= len(out_shape) and (k < 0 or s[k] == 1):
         return None
+    if len(s) <= len(out_shape) and s[k] == out_shape[axis.dim]:
+        return Axis(k, axis.extent, axis.inner)  # broadcasts along other dims only: narrow it too
     return False
 
 
@@ -143,6 +157,13 @@ def step_of(node: Node, axes: dict[Node, Axis]) -> Step | None:
         return None
     if t in BATCHED:
         return _batched_step(node, axes)
+    if t is ops.aten.split.Tensor and node.args[0] in axes:  # a tuple: its getitems carry the axis
+        a, src = axes[node.args[0]], static_shape(node.args[0])
+        d = _norm(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), len(src or []))
+        size = node.args[1]
+        if src is None or not isinstance(size, int) or (d == a.dim and size % (a.extent * a.inner)):
+            return None  # a piece would cut the axis
+        return Step(node, a, {0: PIECE})
     out = static_shape(node)
     if out is None:
         return None
@@ -150,6 +171,13 @@ def step_of(node: Node, axes: dict[Node, Axis]) -> Step | None:
         return Step(node, axes[node.args[0]], {0: PIECE})
     if t is ops.WAIT and node.args[0] in axes:
         return Step(node, axes[node.args[0]], {0: PIECE})
+    if t in (ops.ALL_GATHER, ops.REDUCE_SCATTER) and node.args[0] in axes:
+        a = axes[node.args[0]]
+        # dim 0 holds the ranks' blocks: an all-gather stacks them (the axis' outer factor
+        # grows by the world size), a reduce-scatter keeps one (it must not cut a block).
+        if t is ops.REDUCE_SCATTER and a.dim == 0 and a.outer(static_shape(node.args[0])) % ops.world_size(node):
+            return None
+        return Step(node, a, {0: PIECE}) if a.fits(out) else None
     if t in (ops.aten.stack.default, ops.aten.cat.default):
         return _concat_step(node, axes)
     if any(isinstance(a, (list, tuple)) and any(isinstance(x, Node) for x in a) for a in node.args):
@@ -185,19 +213,32 @@ def step_of(node: Node, axes: dict[Node, Axis]) -> Step | None:
         a = axes[node.args[0]]
         d = _norm(node.args[2], len(out))
         return Step(node, Axis(a.dim + (d <= a.dim), a.extent, a.inner), {0: PIECE}, (1, out))
+    if t is ops.aten.slice_backward.default and list(reached) == [0]:
+        a = axes[node.args[0]]
+        if _norm(node.args[2], len(out)) == a.dim:
+            return None
+        return Step(node, a, {0: PIECE}, (1, out))
+    if t is ops.aten.expand.default and list(reached) == [0]:
+        a = axes[node.args[0]]
+        src = static_shape(node.args[0])
+        if len(src) != len(out) or src[a.dim] != out[a.dim]:
+            return None
+        return Step(node, a, {0: PIECE}, (1, out))
+    if t is ops.aten.detach.default and list(reached) == [0]:
+        return Step(node, axes[node.args[0]], {0: PIECE})
     if t in ops.MATMULS and t in (ops.aten.mm.default, ops.aten.bmm.default):
         return _matmul_step(node, axes)
-    if t is ops.aten.sum.dim_IntList and list(reached) == [0]:
+    if t in (ops.aten.sum.dim_IntList, ops.aten.mean.dim) and list(reached) == [0]:
         a = axes[node.args[0]]
         rank = len(static_shape(node.args[0]))
         dims = [_norm(d, rank) for d in (node.args[1] or range(rank))]
         keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-        if a.dim in dims:
-            return Step(node, None, {0: PIECE})
+        if a.dim in dims:  # a sum over the axis: per-chunk partials (a mean's would need rescaling)
+            return Step(node, None, {0: PIECE}) if t is ops.aten.sum.dim_IntList else None
         shift = 0 if keep else sum(d < a.dim for d in dims)
         return Step(node, Axis(a.dim - shift, a.extent, a.inner), {0: PIECE})
     if _pointwise(node):
-        if t is ops.aten._to_copy.default and not set(node.kwargs) <= {"dtype", "memory_format"}:
+        if t is ops.aten._to_copy.default and not _same_place_copy(node):
             return None
         axis = next(iter(axes[n] for n in reached.values()))
         if not axis.fits(out):
@@ -205,8 +246,9 @@ def step_of(node: Node, axes: dict[Node, Axis]) -> Step | None:
         operands = {}
         for k, a in _tensor_args(node):
             if a in axes:
-                if axes[a] != axis or static_shape(a) != out:
-                    return None
+                sa = static_shape(a)
+                if axes[a] != axis or sa is None or len(sa) != len(out) or sa[axis.dim] != out[axis.dim]:
+                    return None  # (other dims may broadcast: a norm's (.., 1) scale)
                 operands[k] = PIECE
             else:
                 how = _broadcast_treatment(a, out, axis)
@@ -215,6 +257,18 @@ def step_of(node: Node, axes: dict[Node, Axis]) -> Step | None:
                 operands[k] = how
         return Step(node, axis, operands)
     return None
+
+
+def _same_place_copy(node: Node) -> bool:
+    """A ``_to_copy`` that changes at most the dtype (or memory format): no device or layout
+    move (the tracer spells out layout and device even where they do not change)."""
+    kw = dict(node.kwargs)
+    src = ops.val(node.args[0])
+    if "device" in kw and (src is None or torch.device(kw.pop("device")) != src.device):
+        return False
+    if kw.pop("layout", torch.strided) != torch.strided:
+        return False
+    return set(kw) <= {"dtype", "memory_format"}
 
 
 def _batched(*names):
@@ -261,8 +315,8 @@ def _concat_step(node: Node, axes: dict[Node, Axis]) -> Step | None:
     if node.target is ops.aten.stack.default:
         d = _norm(d, len(shape) + 1)
         return Step(node, Axis(a.dim + (d <= a.dim), a.extent, a.inner), {0: PIECE})
-    if _norm(d, len(shape)) == a.dim:
-        return None
+    # Along the axis dim, the pieces' blocks stack (the axis' outer factor grows): chunk c of
+    # the result is the pieces' chunks c (sequence parallelism's scatter layout).
     return Step(node, a, {0: PIECE})
 
 
@@ -347,7 +401,7 @@ class Region:
 
     @property
     def collectives(self) -> list[Node]:
-        return [s.node for s in self.steps if s.node.target is ops.ALL_TO_ALL]
+        return [s.node for s in self.steps if in_region_kind(s.node)]
 
     def score(self) -> tuple:
         """Most all-to-alls overlapped first; then room for a pipeline (up to 8 chunks);
@@ -359,8 +413,10 @@ class _Grower:
     """Builds a region: pulls the seed's chunks from as far upstream as they can come
     (through the all-to-all itself, layout ops, matmuls), then grows downstream."""
 
-    def __init__(self, may_chain, defer=frozenset(), probe: bool = False):
+    def __init__(self, may_chain, defer=frozenset(), probe: bool = False, kinds=(ops.ALL_TO_ALL,)):
         self.may_chain = may_chain
+        self.kinds = kinds
+        """The collectives the region may take in (:data:`CHUNKABLE`)."""
         self.defer = defer
         self.probe = probe
         """Admit low-precision sums over the axis too (as candidates for deferral only)."""
@@ -383,7 +439,7 @@ class _Grower:
             shape = static_shape(x)
             if shape is None or not a.fits(shape):
                 return False
-        ins = _inputs_for(x, a, self.may_chain)
+        ins = _inputs_for(x, a, self.may_chain, self.kinds)
         if ins:
             saved = self._save()
             if all(self.pull(i, ia) for i, ia in ins):
@@ -403,8 +459,8 @@ class _Grower:
         """pull(), kept only when it brings an all-to-all into the region (else narrowing
         ``x`` itself is as good and cheaper)."""
         saved = self._save()
-        before = {n for n in self.steps if n.target is ops.ALL_TO_ALL}
-        if self.pull(x, a) and any(n.target is ops.ALL_TO_ALL and n not in before for n in self.steps):
+        before = {n for n in self.steps if in_region_kind(n)}
+        if self.pull(x, a) and any(in_region_kind(n) and n not in before for n in self.steps):
             return True
         self._restore(saved)
         return False
@@ -415,7 +471,8 @@ class _Grower:
                 continue
             if not any(a in self.axes and a not in self.seeds for a in node.all_input_nodes):
                 continue
-            if node in self.defer or (node.target is ops.ALL_TO_ALL and not self.may_chain(node)):
+            if node in self.defer or (ops.is_collective(node) and (node.target not in self.kinds
+                                                                   or not self.may_chain(node))):
                 continue
             st = step_of(node, self.axes)
             if st is None or (_low_precision_sum(node, st) and not self.probe):
@@ -431,7 +488,7 @@ class _Grower:
                 self.axes[node] = st.axis
 
 
-def _inputs_for(x: Node, a: Axis, may_chain) -> list[tuple[Node, Axis]] | None:
+def _inputs_for(x: Node, a: Axis, may_chain, kinds=(ops.ALL_TO_ALL,)) -> list[tuple[Node, Axis]] | None:
     """The inputs of ``x`` and their axes from which ``x`` chunked along ``a`` can be
     computed (None: none; ``x`` is then narrowed)."""
     if x.op != "call_function":
@@ -463,7 +520,9 @@ def _inputs_for(x: Node, a: Axis, may_chain) -> list[tuple[Node, Axis]] | None:
     if t is ops.WAIT:
         return [(x.args[0], a)]
     if t is ops.ALL_TO_ALL:
-        return [(x.args[0], a)] if may_chain(x) and all_to_all_fits(x, a) else None
+        return [(x.args[0], a)] if t in kinds and may_chain(x) and all_to_all_fits(x, a) else None
+    if t in (ops.ALL_GATHER, ops.REDUCE_SCATTER):
+        return [(x.args[0], a)] if t in kinds and may_chain(x) else None
     if t is ops.aten.mm.default:
         return [(x.args[0], a)] if a.dim == 0 else [(x.args[1], a)]
     if t is ops.aten.bmm.default:
@@ -498,10 +557,10 @@ def _low_precision_sum(node: Node, st: Step) -> bool:
     return st.axis is None and ops.val(node).dtype in LOW_PRECISION
 
 
-def grow(start: Node, axis: Axis, may_chain=lambda coll: True) -> Region | None:
+def grow(start: Node, axis: Axis, may_chain=lambda coll: True, kinds=(ops.ALL_TO_ALL,)) -> Region | None:
     """The region of ``start`` (a collective's wait) chunked along ``axis`` (None: the
-    collective itself cannot be chunked so)."""
-    g = _Grower(may_chain, probe=True)
+    collective itself cannot be chunked so); ``kinds``: the collectives it may take in."""
+    g = _Grower(may_chain, probe=True, kinds=kinds)
     if not g.pull(start, axis) or start in g.seeds:
         return None
     g.grow(start.graph)
@@ -509,7 +568,7 @@ def grow(start: Node, axis: Axis, may_chain=lambda coll: True) -> Region | None:
     if defer or any(_low_precision_sum(n, st) for n, st in g.steps.items()):
         # Grown again without them (their operands become tensors read whole), and without
         # the low-precision sums that cannot be deferred (they stay whole where they are).
-        g = _Grower(may_chain, frozenset(defer))
+        g = _Grower(may_chain, frozenset(defer), kinds=kinds)
         g.pull(start, axis)
         g.grow(start.graph)
     order = {n: i for i, n in enumerate(start.graph.nodes)}
@@ -526,7 +585,7 @@ def levels(nodes) -> dict[Node, int]:
     level: dict[Node, int] = {}
     for node in nodes:
         lvl = max((level.get(i, 0) for i in node.all_input_nodes), default=0)
-        level[node] = lvl + (node.target is ops.ALL_TO_ALL)
+        level[node] = lvl + in_region_kind(node)
     return level
 
 
@@ -537,7 +596,7 @@ def _deferrable(steps: dict[Node, Step]) -> list[Node]:
     order = {n: i for i, n in enumerate(next(iter(steps)).graph.nodes)} if steps else {}
     nodes = sorted(steps, key=order.get)
     level = levels(nodes)
-    fed = [level[c] - 1 for c in nodes if c.target is ops.ALL_TO_ALL]
+    fed = [level[c] - 1 for c in nodes if in_region_kind(c)]
     return [n for n in nodes if steps[n].axis is None and not any(u in steps for u in n.users)
             and any(f >= level[n] for f in fed)]
 
@@ -598,12 +657,13 @@ def contiguous(b: Builder, x: Node) -> Node:
     return x if v is not None and v.is_contiguous() else b.contiguous(x)
 
 
-def replay(b: Builder, region: Region, sizes: list[int]) -> list[dict[Node, Node]]:
+def replay(b: Builder, region: Region, sizes: list[int], marks: list | None = None) -> list[dict[Node, Node]]:
     """Build every step once per chunk; returns, per chunk, region node -> its chunk
-    (for sums: its partial)."""
+    (for sums: its partial). ``marks``, if given, gets (chunk, step node, number of nodes
+    created so far) after each step: which new nodes belong to which step of which chunk."""
     out = []
     off = 0
-    for n in sizes:
+    for c, n in enumerate(sizes):
         narrowed: dict[tuple, Node] = {}
 
         def narrow_once(x, a):
@@ -630,13 +690,20 @@ def replay(b: Builder, region: Region, sizes: list[int]) -> list[dict[Node, Node
             if st.shape_arg is not None:
                 pos, shape = st.shape_arg
                 args[pos] = st.axis.resized(shape, n)
-            if node.target is ops.ALL_TO_ALL:
+            if node.target is ops.aten.split.Tensor:
+                d = _norm(args[2] if len(args) > 2 else node.kwargs.get("dim", 0), len(static_shape(node.args[0])))
+                if d == st.axis.dim:  # each piece keeps whole blocks of the axis: fewer per chunk
+                    args[1] = args[1] // (st.axis.extent * st.axis.inner) * n * st.axis.inner
+            if node.target in CHUNKABLE:
                 args[0] = contiguous(b, args[0])
+            if node.target is ops.ALL_TO_ALL:
                 per_peer = static_shape(args[0])[0] // ops.world_size(node)
                 for i in (1, 2):
                     if args[i] is not None:
                         args[i] = [per_peer] * len(args[i])
             piece[node] = b.call(node.target, *args, **kwargs)
+            if marks is not None:
+                marks.append((c, node, len(b.created)))
         out.append(piece)
         off += n
     return out

@@ -1,0 +1,139 @@
+"""Micro-batch interleaving: the graph's batch cut in ``n`` slices that run side by side, so
+that one slice's communication hides under another slice's compute (option ``microbatches``).
+
+Row-chunked sites (AllGather -> mm, mm -> ReduceScatter) can hide a collective only under
+the GEMMs next to it. Where a collective has no GEMM next to it -- a tensor + sequence
+parallel block's reduce-scatter after the attention output projection follows attention,
+which mixes all rows of the sequence -- nothing hides it. Cut along the batch instead,
+every op of a transformer block acts on each slice on its own (attention included), so
+slice 1's attention runs while slice 0's reduce-scatter is on the wire.
+
+The cut is a region of passes/axis.py along dim 0 (the batch) of the graph's first
+all-gather or reduce-scatter, grown forward through everything that keeps batch slices
+apart, taking in every all-gather and reduce-scatter it reaches: each is issued per slice.
+Sums over the batch (weight gradients) become per-slice partials (fp32) or run whole after
+the slices; whatever reads a region tensor whole gets it rebuilt from its slices. The
+slices' nodes are laid out level by level -- level L: what follows L collectives of the
+region -- slice 0 then slice 1 within a level, so the schedule (passes/schedule.py), which
+keeps the order of compute it does not need to move, alternates the slices between
+collectives. Where the region ends (an op without a per-slice rule), a later collective
+starts another region.
+"""
+from __future__ import annotations
+
+from torch.fx import Graph, Node
+
+from . import axis as ax
+from . import ops
+from .build import Builder, chunk_sizes
+from .lower import _erased
+from .normalize import erase_collective, remove_dead_nodes
+
+KINDS = (ops.ALL_GATHER, ops.REDUCE_SCATTER)
+
+
+def start_axis(coll: Node) -> ax.Axis | None:
+    """The batch axis of a collective's result: dim 0 of one rank's block (an all-gather's
+    input, a reduce-scatter's output), whole."""
+    src = coll.args[0] if coll.target is ops.ALL_GATHER else ops.wait_of(coll)
+    shape = ax.static_shape(src) if src is not None else None
+    if not shape or shape[0] < 2:
+        return None
+    return ax.Axis(0, shape[0], 1)
+
+
+def split_microbatches(graph: Graph, n: int) -> list[dict]:
+    """Cut the graph's batch into ``n`` slices (fewer where the batch is smaller), region by
+    region; returns one description per region cut (for the report)."""
+    done: list[dict] = []
+    created: set[Node] = set()
+    skipped: set[Node] = set()
+    while True:
+        coll = next((c for c in graph.nodes if c.target in KINDS and c not in created and c not in skipped
+                     and ops.wait_of(c) is not None), None)
+        if coll is None:
+            return done
+        a = start_axis(coll)
+        region = ax.grow(ops.wait_of(coll), a, kinds=KINDS) if a is not None else None
+        if region is None or not region.matmuls or a.extent < 2:
+            skipped.add(coll)
+            continue
+        info = {"collective": coll.name, "collective_op": ops.collective_name(coll), "module": ops.module_path(coll),
+                "group": ops.group_name(coll), "world_size": ops.world_size(coll), "batch": a.extent,
+                "slices": min(n, a.extent), "collectives": [c.name for c in region.collectives],
+                "matmuls": [m.name for m in region.matmuls], "rebuilt_whole": len(region.whole),
+                "sums_after_slices": len(region.deferred)}
+        new = _rewrite(graph, coll, region, min(n, a.extent))
+        if new is None:
+            skipped.add(coll)
+            continue
+        created |= new
+        done.append(info)
+
+
+def report_rows(cuts: list[dict], graph_kind: str, n: int) -> list:
+    """Report rows (pattern "microbatch"): one per region cut, or one skipped row saying why
+    nothing was cut."""
+    from overlapc.report import Site
+
+    if not cuts:
+        return [Site(name=f"{graph_kind}::microbatch", pattern="microbatch", graph=graph_kind, status="skipped",
+                     reason=f"microbatches={n}: no all-gather or reduce-scatter whose batch (dim 0 of one rank's "
+                            "block, size >= 2) reaches a matmul through ops that keep batch slices apart")]
+    rows = []
+    for i, c in enumerate(cuts):
+        rows.append(Site(
+            name=f"{graph_kind}:{c['module'] or ''}:microbatch" + (f"#{i}" if i else ""), pattern="microbatch",
+            graph=graph_kind, status="rewritten", strategy="microbatch", chunks=c["slices"], group=c["group"],
+            world_size=c["world_size"], collective=c["collective"], collective_op=c["collective_op"],
+            module=c["module"], matmuls=c["matmuls"], dim=0,
+            details={"batch": c["batch"], "collectives": c["collectives"], "rebuilt_whole": c["rebuilt_whole"],
+                     "sums_after_slices": c["sums_after_slices"]}))
+    return rows
+
+
+def _rewrite(graph: Graph, coll: Node, region: ax.Region, n: int) -> set[Node] | None:
+    from .all_to_all import _anchors, _run_after
+
+    anchors = _anchors(region)
+    level = region.levels()
+    sizes = chunk_sizes(region.axis.extent, n)
+    b = Builder(graph, like=coll)
+    marks: list = []
+    with graph.inserting_before(coll):
+        try:
+            pieces = ax.replay(b, region, sizes, marks)
+        except Exception:  # an op refused its slice shapes: leave the graph as it was
+            for x in reversed(b.created):
+                graph.erase_node(x)
+            return None
+        replayed = len(b.created)
+        for node in region.whole:
+            node.replace_all_uses_with(
+                ax.assemble(b, [p[node] for p in pieces], sizes, region.axes[node], ax.static_shape(node)))
+        for st in region.steps:
+            if st.axis is None:
+                st.node.replace_all_uses_with(ax.add_partials(b, [p[st.node] for p in pieces]))
+    _level_major(b.created[:replayed], marks, level, coll)
+    new = set(b.created)
+    for c in reversed(region.collectives):
+        remove_dead_nodes(graph)
+        erase_collective(c, ops.wait_of(c))
+    remove_dead_nodes(graph)
+    _run_after(anchors, pieces[-1])
+    return {x for x in new if not _erased(x)}
+
+
+def _level_major(created: list[Node], marks: list, level: dict, before: Node) -> None:
+    """Lay the replayed nodes out level by level, slice by slice within a level (see the
+    module docstring); the pass's legalize restores def-before-use where this order broke it."""
+    key: dict[Node, tuple] = {}
+    start = 0
+    for c, step, end in marks:
+        for i in range(start, end):
+            key[created[i]] = (level.get(step, 0), c, i)
+        start = end
+    for i in range(start, len(created)):
+        key[created[i]] = (1 << 30, 0, i)
+    for x in sorted(created, key=key.get):
+        before.prepend(x)

@@ -1,0 +1,121 @@
+"""Option ``microbatches``: the TP+SP model's batch cut into slices that interleave
+(passes/microbatch.py), against eager on every rank, forward and every gradient.
+
+Tolerances:
+- fp32: each slice runs the same ATen ops on fewer rows (GEMMs with smaller M may block
+  differently), weight gradients are sums of per-slice partials (another association of
+  the batch sum), and the sliced reduce-scatters add across ranks per slice: last-bit
+  differences, bounded by 1e-5 relative and absolute (as for the row-chunked rewrites).
+- bf16: eager bf16 itself is far from the exact result (every GEMM output and norm is
+  rounded to 8 bits), and sums over the batch stay whole in bf16 (passes/axis.py: no
+  rounded partials), so overlapc is compared with an fp32 evaluation of the same bf16
+  weights: its error may not exceed twice eager bf16's plus one bf16 ulp of the largest value.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+SMALL = dict(n_layers=1, dim=64, n_heads=4, ffn_dim=128, vocab_size=64, seq=16)
+
+
+def _run(model, tokens, seed, fn=None):
+    out = (model if fn is None else fn)(tokens)
+    out = out.to_local() if hasattr(out, "to_local") else out
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
+    (out * w).sum().backward()
+    grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+             for n, p in model.named_parameters() if p.grad is not None}
+    return {"output": out.detach(), **grads}
+
+
+def microbatch_job(config: dict) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import overlapc
+    from overlapc.models import llama
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    kw = {**SMALL, "batch": config["batch"], "dtype": config["dtype"]}
+    ref, (tokens,) = llama.build_tp_sp(mesh, **kw)
+    model, _ = llama.build_tp_sp(mesh, **kw)
+    be = overlapc.backend(inner="eager", **config["options"])
+    got = _run(model, tokens, seed=3, fn=torch.compile(model, backend=be))
+    want = _run(ref, tokens, seed=3)
+    errs = {}
+    if config["dtype"] == "bfloat16":
+        truth, _ = llama.build_tp_sp(mesh, **kw)
+        exact = _run(truth.float(), tokens, seed=3)
+        for k, v in exact.items():
+            ulp = v.abs().max().item() * 2 ** -8
+            errs[k] = ((got[k].float() - v).abs().max().item(), (want[k].float() - v).abs().max().item(), ulp)
+    else:
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"rank {dist.get_rank()} {k}: {m}")
+    cuts = sorted((s.graph, s.status, s.chunks, len(s.details.get("collectives", [])))
+                  for s in be.report.sites if s.pattern == "microbatch")
+    sites = sorted({(s.pattern, s.status) for s in be.report.sites if s.pattern not in ("microbatch", "collective")})
+    return {"cuts": cuts, "sites": sites, "errs": errs}
+
+
+CASES = {
+    # microbatches only: the slices' collectives whole, interleaved by the schedule
+    "slices-only": dict(batch=2, dtype="float32", options=dict(microbatches=2, strategy="none")),
+    # slices, and every site inside them decomposed into row chunks
+    "slices+chunks": dict(batch=2, dtype="float32", options=dict(microbatches=2, strategy="decompose", chunks=2)),
+    # a batch of 3 in 2 slices: uneven (1 and 2 sequences)
+    "uneven": dict(batch=3, dtype="float32", options=dict(microbatches=2, strategy="none")),
+    # more slices asked for than the batch has: as many as it has
+    "capped": dict(batch=2, dtype="float32", options=dict(microbatches=4, strategy="none")),
+    "bf16": dict(batch=2, dtype="bfloat16", options=dict(microbatches=2, strategy="decompose", chunks=2)),
+}
+
+
+def _check(results, config):
+    slices = min(config["options"]["microbatches"], config["batch"])
+    for r in results:
+        graphs = {g for g, *_ in r["cuts"]}
+        assert graphs == {"forward", "backward"}, r["cuts"]
+        for graph, status, chunks, colls in r["cuts"]:
+            assert status == "rewritten" and chunks == slices and colls >= 4, r["cuts"]
+        if config["options"]["strategy"] == "decompose":
+            assert r["sites"] and all(st == "rewritten" for _, st in r["sites"]), r["sites"]
+        for k, (ovl, base, ulp) in r["errs"].items():
+            assert ovl <= 2 * base + ulp, (k, ovl, base, ulp)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ["slices-only", "slices+chunks", "uneven", "capped", "bf16"])
+def test_microbatches_world2(world2, case):
+    _check(world2.run(microbatch_job, CASES[case]), CASES[case])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ["slices-only", "slices+chunks"])
+def test_microbatches_world4(world4, case):
+    _check(world4.run(microbatch_job, CASES[case]), CASES[case])
+
+
+def test_microbatches_option_is_checked():
+    from overlapc import Options
+    from overlapc.errors import OverlapError
+
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(OverlapError, match="'microbatches' must be an int >= 1"):
+            Options(microbatches=bad)
+
+
+def test_microbatches_report_skips_with_reason(fake_mesh8):
+    """A batch of 1 cannot be cut: the graphs run unchanged, and the report says why."""
+    import overlapc
+    from overlapc.models import llama
+
+    model, inputs = llama.build_tp_sp(fake_mesh8, n_layers=1, batch=1)
+    rep = overlapc.explain(model, *inputs, options={"microbatches": 2, "strategy": "none"})
+    rows = [s for s in rep.sites if s.pattern == "microbatch"]
+    assert {s.graph for s in rows} == {"forward", "backward"}
+    for s in rows:
+        assert s.status == "skipped" and "batch (dim 0" in s.reason, s
