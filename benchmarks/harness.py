@@ -60,9 +60,12 @@ def _variants(cfg):
     backends = {
         "base": lambda: Backend(Options(inner=inner, strategy="none", schedule=False)),
         "overlapc": lambda: Backend(Options(inner=inner, strategy="decompose", chunks=cfg["chunks"],
+                                            microbatches=cfg.get("microbatches", 1),
                                             overrides=cfg.get("overrides", {}), hardware=cfg.get("hardware"))),
         "compute": lambda: compute_alone(inner),
     }
+    for name, opts in cfg.get("extra", {}).items():  # --variant: more overlapc options, same run
+        backends[name] = lambda opts=opts: Backend(Options(**{"inner": inner, "hardware": cfg.get("hardware"), **opts}))
     out = {}
     for name, make in backends.items():
         # Inputs as built: a float input that requires grad stands for an earlier layer's
@@ -127,6 +130,12 @@ def bench_job(cfg: dict) -> dict:
         print(f"compute-under-comm measurement failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
     result = common.summary(times, comm, loaded)
     result["times"] = times
+    denom = min(result["t_compute"], result["t_comm"])
+    result["variants"] = {
+        name: {"options": cfg["extra"][name], "t": statistics.median(times[name]),
+               "speedup": result["t_base"] / statistics.median(times[name]),
+               "efficiency": (result["t_base"] - statistics.median(times[name])) / denom}
+        for name in cfg.get("extra", {})}
     result["n_collectives"] = len(calls)
     result["comm_approx"] = any(c.get("approx") for c in calls)
     rep = variants["overlapc"][2].report
@@ -179,6 +188,34 @@ def _calibrated_profile(world, world_size: int, rate: float) -> tuple[str, dict]
     return path, prof
 
 
+def _opts(rows, name: str) -> str:
+    opts = next(r["variants"][name]["options"] for r in rows if name in r.get("variants", {}))
+    return ", ".join(f"{k}={v}" for k, v in opts.items())
+
+
+def parse_variants(specs) -> dict[str, dict]:
+    """``--variant NAME OPTION=VALUE ...`` (repeated) -> {NAME: {OPTION: value}}; values read as
+    JSON where they parse (2, true, "auto"), else as strings; checked by Options."""
+    import json
+
+    from overlapc import Options
+
+    out = {}
+    for name, *pairs in specs or []:
+        opts = {}
+        for kv in pairs:
+            k, sep, v = kv.partition("=")
+            if not sep:
+                raise SystemExit(f"--variant {name}: expected OPTION=VALUE, got {kv!r}")
+            try:
+                opts[k] = json.loads(v)
+            except ValueError:
+                opts[k] = v
+        Options.from_user(opts)  # a wrong name or value fails here, before any cluster is built
+        out[name] = opts
+    return out
+
+
 def run(bench: Bench, model: dict, args) -> list[dict]:
     from benchmarks.cluster import EmulatedCluster
 
@@ -187,6 +224,7 @@ def run(bench: Bench, model: dict, args) -> list[dict]:
     for world_size in args.world_sizes:
         for mode in args.modes:
             cfg = dict(builder=bench.builder, model=model, inner=args.inner, chunks=args.chunks,
+                       microbatches=args.microbatches, extra=parse_variants(args.variant),
                        mode=mode, iters=args.iters)
             rate = 400.0 if args.rate == "auto" else float(args.rate)
             with EmulatedCluster(world_size, rate_mbit=rate) as cluster:
@@ -214,6 +252,9 @@ def run(bench: Bench, model: dict, args) -> list[dict]:
                   f"predicted {res['predicted_speedup'] or float('nan'):.2f}x  loaded compute "
                   f"{(res['t_compute_loaded'] or float('nan'))*1e3:.1f} ms comm {(res['t_comm_loaded'] or float('nan'))*1e3:.1f} ms",
                   flush=True)
+            for name, v in res.get("variants", {}).items():
+                print(f"    variant {name} {v['options']}: {v['t']*1e3:7.1f} ms  speedup {v['speedup']:.2f}x  "
+                      f"E {v['efficiency']:.2f}", flush=True)
             rows.append(res)
     return rows
 
@@ -265,6 +306,17 @@ def report(bench: Bench, rows, args, cmd: str, extra: str = "") -> None:
               "replay issues its collectives one at a time, each waited on; under load each one's "
               "wake-ups queue behind busy cores, so for steps of many short collectives (forward) the "
               "second ratio over-states what overlapc's concurrent chunks pay."]
+    names = list(dict.fromkeys(n for r in rows for n in r.get("variants", {})))
+    if names:
+        lines += ["", "Other overlapc options timed in the same interleaved run (same T_base, T_compute, T_comm; "
+                      "speedup against T_base):", "",
+                  "| world | step | " + " | ".join(f"{n}: {_opts(rows, n)}" for n in names) + " |",
+                  "|---|---|" + "---|" * len(names)]
+        for r in rows:
+            v = r.get("variants", {})
+            lines.append(f"| {r['world_size']} | {r['mode']} | " + " | ".join(
+                f"{v[n]['t']*1e3:.1f} ms, {v[n]['speedup']:.2f}x, E {v[n]['efficiency']:.2f}" if n in v else "n/a"
+                for n in names) + " |")
     pngs = [r["timeline_png"] for r in rows if r.get("timeline_png")]
     if pngs:
         lines += ["", "One overlapc step (rank 0): GEMM chunks (dark blue) run while collectives (red) are "
@@ -288,6 +340,11 @@ def parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--inner", default="eager", choices=["eager", "inductor"])
     p.add_argument("--chunks", default="auto", type=lambda s: s if s == "auto" else int(s))
     p.add_argument("--iters", type=int, default=7)
+    p.add_argument("--microbatches", type=int, default=1,
+                   help="overlapc's option microbatches (batch slices that interleave; 1: off)")
+    p.add_argument("--variant", nargs="+", action="append", type=str, metavar=("NAME", "OPTION=VALUE"),
+                   help="also time overlapc with these options in the same interleaved run, e.g. "
+                        "--variant mb2 microbatches=2 strategy=none (repeatable; reported in the JSON and printed)")
     p.add_argument("--no-timeline", dest="timeline", action="store_false")
     p.add_argument("--default-cmd", action="store_true", help=argparse.SUPPRESS)
     return p
