@@ -458,19 +458,11 @@ def rewrite(site, chunks: int) -> None:
     b = Builder(graph, like=site.coll)
     with graph.inserting_before(site.coll):
         try:
-            pieces = ax.replay(b, region, sizes)
-        except Exception as e:  # an op refused its chunk shapes: leave the graph as it was
-            for n in reversed(b.created):
-                graph.erase_node(n)
+            pieces = ax.substitute(b, region, sizes)
+        except Exception as e:  # an op refused its chunk shapes: the graph is as it was
             site.status, site.strategy, site.chunks = "skipped", None, None
             site.reason = f"chunked replay of the region failed ({type(e).__name__}: {str(e)[:200]}); left unchanged"
             return False
-        for node in region.whole:
-            node.replace_all_uses_with(
-                ax.assemble(b, [p[node] for p in pieces], sizes, region.axes[node], ax.static_shape(node)))
-        for st in region.steps:
-            if st.axis is None:
-                st.node.replace_all_uses_with(ax.add_partials(b, [p[st.node] for p in pieces]))
     for coll in reversed(region.collectives):
         remove_dead_nodes(graph)
         erase_collective(coll, ops.wait_of(coll))

@@ -709,6 +709,25 @@ def replay(b: Builder, region: Region, sizes: list[int], marks: list | None = No
     return out
 
 
+def substitute(b: Builder, region: Region, sizes: list[int], marks: list | None = None) -> list[dict[Node, Node]]:
+    """Replay the region per chunk (:func:`replay`), then point what reads it from outside at
+    the chunks: tensors read whole at their reassembly, sums over the axis at the sum of
+    their partials. If the replay fails (an op refused its chunk shapes), what it built is
+    erased and the error raised: the graph is as it was."""
+    try:
+        pieces = replay(b, region, sizes, marks)
+    except Exception:
+        for n in reversed(b.created):
+            b.graph.erase_node(n)
+        raise
+    for node in region.whole:
+        node.replace_all_uses_with(assemble(b, [p[node] for p in pieces], sizes, region.axes[node], static_shape(node)))
+    for st in region.steps:
+        if st.axis is None:
+            st.node.replace_all_uses_with(add_partials(b, [p[st.node] for p in pieces]))
+    return pieces
+
+
 def add_partials(b: Builder, parts: list[Node]) -> Node:
     """Sum of per-chunk partials (fp32 and wider only: see :func:`grow`)."""
     acc = parts[0]

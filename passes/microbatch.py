@@ -44,7 +44,7 @@ def start_axis(coll: Node) -> ax.Axis | None:
 
 def split_microbatches(graph: Graph, n: int) -> list[dict]:
     """Cut the graph's batch into ``n`` slices (fewer where the batch is smaller), region by
-    region; returns one description per region cut (for the report)."""
+    region; returns one description per region cut, or whose cut failed (for the report)."""
     done: list[dict] = []
     created: set[Node] = set()
     skipped: set[Node] = set()
@@ -55,7 +55,7 @@ def split_microbatches(graph: Graph, n: int) -> list[dict]:
             return done
         a = start_axis(coll)
         region = ax.grow(ops.wait_of(coll), a, kinds=KINDS) if a is not None else None
-        if region is None or not region.matmuls or a.extent < 2:
+        if region is None or not region.matmuls:
             skipped.add(coll)
             continue
         info = {"collective": coll.name, "collective_op": ops.collective_name(coll), "module": ops.module_path(coll),
@@ -63,17 +63,17 @@ def split_microbatches(graph: Graph, n: int) -> list[dict]:
                 "slices": min(n, a.extent), "collectives": [c.name for c in region.collectives],
                 "matmuls": [m.name for m in region.matmuls], "rebuilt_whole": len(region.whole),
                 "sums_after_slices": len(region.deferred)}
-        new = _rewrite(graph, coll, region, min(n, a.extent))
-        if new is None:
+        try:
+            created |= _rewrite(graph, coll, region, info["slices"])
+        except Exception as e:  # an op refused its slice shapes: that region stays as it was
             skipped.add(coll)
-            continue
-        created |= new
+            info["failed"] = f"the sliced replay failed ({type(e).__name__}: {str(e)[:200]}); left unchanged"
         done.append(info)
 
 
 def report_rows(cuts: list[dict], graph_kind: str, n: int) -> list:
-    """Report rows (pattern "microbatch"): one per region cut, or one skipped row saying why
-    nothing was cut."""
+    """Report rows (pattern "microbatch"): one per region cut (or whose cut failed, with
+    why), or one skipped row saying why nothing could be cut."""
     from overlapc.report import Site
 
     if not cuts:
@@ -82,9 +82,11 @@ def report_rows(cuts: list[dict], graph_kind: str, n: int) -> list:
                             "block, size >= 2) reaches a matmul through ops that keep batch slices apart")]
     rows = []
     for i, c in enumerate(cuts):
+        ok = "failed" not in c
         rows.append(Site(
             name=f"{graph_kind}:{c['module'] or ''}:microbatch" + (f"#{i}" if i else ""), pattern="microbatch",
-            graph=graph_kind, status="rewritten", strategy="microbatch", chunks=c["slices"], group=c["group"],
+            graph=graph_kind, status="rewritten" if ok else "skipped", reason=c.get("failed"),
+            strategy="microbatch" if ok else None, chunks=c["slices"] if ok else None, group=c["group"],
             world_size=c["world_size"], collective=c["collective"], collective_op=c["collective_op"],
             module=c["module"], matmuls=c["matmuls"], dim=0,
             details={"batch": c["batch"], "collectives": c["collectives"], "rebuilt_whole": c["rebuilt_whole"],
@@ -92,7 +94,9 @@ def report_rows(cuts: list[dict], graph_kind: str, n: int) -> list:
     return rows
 
 
-def _rewrite(graph: Graph, coll: Node, region: ax.Region, n: int) -> set[Node] | None:
+def _rewrite(graph: Graph, coll: Node, region: ax.Region, n: int) -> set[Node]:
+    """Replay ``region`` in ``n`` slices in place of its nodes; the new nodes (raises, the
+    graph unchanged, where the replay fails)."""
     from .all_to_all import _anchors, _run_after
 
     anchors = _anchors(region)
@@ -101,20 +105,8 @@ def _rewrite(graph: Graph, coll: Node, region: ax.Region, n: int) -> set[Node] |
     b = Builder(graph, like=coll)
     marks: list = []
     with graph.inserting_before(coll):
-        try:
-            pieces = ax.replay(b, region, sizes, marks)
-        except Exception:  # an op refused its slice shapes: leave the graph as it was
-            for x in reversed(b.created):
-                graph.erase_node(x)
-            return None
-        replayed = len(b.created)
-        for node in region.whole:
-            node.replace_all_uses_with(
-                ax.assemble(b, [p[node] for p in pieces], sizes, region.axes[node], ax.static_shape(node)))
-        for st in region.steps:
-            if st.axis is None:
-                st.node.replace_all_uses_with(ax.add_partials(b, [p[st.node] for p in pieces]))
-    _level_major(b.created[:replayed], marks, level, coll)
+        pieces = ax.substitute(b, region, sizes, marks)
+    _level_major(b.created[:marks[-1][2]] if marks else [], marks, level, coll)
     new = set(b.created)
     for c in reversed(region.collectives):
         remove_dead_nodes(graph)
@@ -133,7 +125,5 @@ def _level_major(created: list[Node], marks: list, level: dict, before: Node) ->
         for i in range(start, end):
             key[created[i]] = (level.get(step, 0), c, i)
         start = end
-    for i in range(start, len(created)):
-        key[created[i]] = (1 << 30, 0, i)
     for x in sorted(created, key=key.get):
         before.prepend(x)
