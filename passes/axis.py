@@ -275,11 +275,14 @@ def _batched(*names):
     return {getattr(ops.aten, n).default: None for n in names if hasattr(ops.aten, n)}
 
 
+TUPLES = set()  # ops returning tuples (filled below): only their getitems have shapes
+
 # Ops whose every tensor input and output is (batch, heads, ...): dims 0 and 1 are
 # independent, so chunks along either go through. (CPU flash attention; on GPU the other
 # SDPA kernels also return RNG state and sizes, not handled yet: they end a region.)
 BATCHED = _batched("_scaled_dot_product_flash_attention_for_cpu",
                    "_scaled_dot_product_flash_attention_for_cpu_backward")
+TUPLES.update(BATCHED, {ops.aten.split.Tensor})
 
 
 def _batched_step(node: Node, axes: dict[Node, Axis]) -> Step | None:
@@ -435,7 +438,7 @@ class _Grower:
         where an op allows it, else narrowed from ``x`` itself (a seed)."""
         if x in self.axes:
             return self.axes[x] == a
-        if x.target not in BATCHED:  # those return tuples: their getitems are checked
+        if x.target not in TUPLES:  # those return tuples: their getitems are checked
             shape = static_shape(x)
             if shape is None or not a.fits(shape):
                 return False
@@ -449,7 +452,7 @@ class _Grower:
                     self.axes[x] = a
                     return True
             self._restore(saved)
-        if x.target in BATCHED:
+        if x.target in TUPLES:
             return False
         self.seeds.add(x)
         self.axes[x] = a
@@ -496,7 +499,10 @@ def _inputs_for(x: Node, a: Axis, may_chain, kinds=(ops.ALL_TO_ALL,)) -> list[tu
     t = x.target
     if t is operator.getitem:
         src = x.args[0]
-        return [(src, a)] if isinstance(src, Node) and src.target in BATCHED else None
+        return [(src, a)] if isinstance(src, Node) and src.target in TUPLES else None
+    if t is ops.aten.split.Tensor:
+        d = _norm(x.args[2] if len(x.args) > 2 else x.kwargs.get("dim", 0), len(static_shape(x.args[0]) or [0]))
+        return [(x.args[0], a)] if d != a.dim else None
     if t in BATCHED:
         if a.dim not in (0, 1):
             return None
@@ -504,8 +510,12 @@ def _inputs_for(x: Node, a: Axis, may_chain, kinds=(ops.ALL_TO_ALL,)) -> list[tu
     if t in (ops.aten.stack.default, ops.aten.cat.default):
         d = x.args[1] if len(x.args) > 1 else x.kwargs.get("dim", 0)
         d = _norm(d, len(static_shape(x) or [0]))
-        if d == a.dim or not all(isinstance(n, Node) for n in x.args[0]):
+        if not all(isinstance(n, Node) for n in x.args[0]):
             return None
+        if d == a.dim:  # a cat along the axis dim: each piece brings whole blocks of it
+            if t is ops.aten.stack.default or any(not a.fits(static_shape(n) or []) for n in x.args[0]):
+                return None
+            return [(n, a) for n in x.args[0]]
         ia = Axis(a.dim - (t is ops.aten.stack.default and d < a.dim), a.extent, a.inner)
         return [(n, ia) for n in x.args[0]]
     shape = static_shape(x)
@@ -661,6 +671,14 @@ def replay(b: Builder, region: Region, sizes: list[int], marks: list | None = No
     """Build every step once per chunk; returns, per chunk, region node -> its chunk
     (for sums: its partial). ``marks``, if given, gets (chunk, step node, number of nodes
     created so far) after each step: which new nodes belong to which step of which chunk."""
+    like = b.like
+    try:
+        return _replay(b, region, sizes, marks)
+    finally:
+        b.like = like
+
+
+def _replay(b: Builder, region: Region, sizes: list[int], marks: list | None) -> list[dict[Node, Node]]:
     out = []
     off = 0
     for c, n in enumerate(sizes):
@@ -674,6 +692,7 @@ def replay(b: Builder, region: Region, sizes: list[int], marks: list | None = No
         piece: dict[Node, Node] = {x: narrow_once(x, region.axes[x]) for x in region.seeds}
         for st in region.steps:
             node = st.node
+            b.like = node  # a chunk's nodes keep their original's provenance (module path, stack)
 
             def operand(k, a):
                 how = st.operands.get(k)

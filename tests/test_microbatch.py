@@ -129,3 +129,45 @@ def test_microbatches_report_skips_with_reason(fake_mesh8):
     assert {s.graph for s in rows} == {"forward", "backward"}
     for s in rows:
         assert s.status == "skipped" and "batch (dim 0" in s.reason, s
+
+
+def test_microbatches_structure(fake_mesh8):
+    """World 8 (fake PG), 2 layers: every site of the forward and backward appears once per
+    slice, under its own module (the slices keep their original nodes' provenance)."""
+    import overlapc
+    from overlapc.models import llama
+
+    model, inputs = llama.build_tp_sp(fake_mesh8, n_layers=2, batch=2)
+    plain = overlapc.explain(model, *inputs, options={"strategy": "none"})
+    model, inputs = llama.build_tp_sp(fake_mesh8, n_layers=2, batch=2)
+    sliced = overlapc.explain(model, *inputs, options={"strategy": "none", "microbatches": 2})
+    for (graph, pattern), n in plain.counts().items():
+        if pattern != "collective":
+            assert sliced.counts()[(graph, pattern)] == 2 * n, (graph, pattern, sliced.counts())
+
+    def modules(rep):
+        return sorted(s.module for s in rep.sites if s.pattern not in ("collective", "microbatch"))
+    assert modules(sliced) == sorted(2 * modules(plain))
+    cuts = [s for s in sliced.sites if s.pattern == "microbatch"]
+    assert {(s.graph, s.status, s.chunks) for s in cuts} == {("forward", "rewritten", 2), ("backward", "rewritten", 2)}
+
+
+def test_microbatch_failed_replay_is_reported(fake_mesh8, monkeypatch):
+    """A sliced replay that fails midway leaves the graph as it was (its sites still found
+    as without slices) and the report says why."""
+    import overlapc
+    from overlapc.models import llama
+    from overlapc.passes import axis
+
+    def replay(b, region, sizes, marks=None):
+        b.view(region.seeds[0], axis.static_shape(region.seeds[0]))  # something built already
+        raise RuntimeError("slice shape refused")
+
+    model, inputs = llama.build_tp_sp(fake_mesh8, n_layers=1, batch=2)
+    plain = overlapc.explain(model, *inputs, options={"strategy": "none"})
+    monkeypatch.setattr(axis, "replay", replay)
+    model, inputs = llama.build_tp_sp(fake_mesh8, n_layers=1, batch=2)
+    rep = overlapc.explain(model, *inputs, options={"strategy": "none", "microbatches": 2})
+    cuts = [s for s in rep.sites if s.pattern == "microbatch"]
+    assert cuts and all(s.status == "skipped" and "slice shape refused" in s.reason for s in cuts), str(rep)
+    assert {k: v for k, v in rep.counts().items() if k[1] != "microbatch"} == plain.counts()

@@ -168,7 +168,7 @@ def test_failed_region_replay_leaves_graph_unchanged(fake_mesh8, monkeypatch):
     built so far are removed and the site is skipped with the error: never half-rewritten."""
     from overlapc.passes import axis
 
-    def replay(b, region, sizes):
+    def replay(b, region, sizes, marks=None):
         b.view(region.seeds[0], axis.static_shape(region.seeds[0]))  # something built already
         raise RuntimeError("chunk shape refused")
 
