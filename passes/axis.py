@@ -275,14 +275,13 @@ def _batched(*names):
     return {getattr(ops.aten, n).default: None for n in names if hasattr(ops.aten, n)}
 
 
-TUPLES = set()  # ops returning tuples (filled below): only their getitems have shapes
-
 # Ops whose every tensor input and output is (batch, heads, ...): dims 0 and 1 are
 # independent, so chunks along either go through. (CPU flash attention; on GPU the other
 # SDPA kernels also return RNG state and sizes, not handled yet: they end a region.)
 BATCHED = _batched("_scaled_dot_product_flash_attention_for_cpu",
                    "_scaled_dot_product_flash_attention_for_cpu_backward")
-TUPLES.update(BATCHED, {ops.aten.split.Tensor})
+TUPLES = {*BATCHED, ops.aten.split.Tensor}
+"""Ops that return tuples: only their getitems have shapes (and can be narrowed)."""
 
 
 def _batched_step(node: Node, axes: dict[Node, Axis]) -> Step | None:
