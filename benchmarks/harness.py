@@ -60,7 +60,6 @@ def _variants(cfg):
     backends = {
         "base": lambda: Backend(Options(inner=inner, strategy="none", schedule=False)),
         "overlapc": lambda: Backend(Options(inner=inner, strategy="decompose", chunks=cfg["chunks"],
-                                            microbatches=cfg.get("microbatches", 1),
                                             overrides=cfg.get("overrides", {}), hardware=cfg.get("hardware"))),
         "compute": lambda: compute_alone(inner),
     }
@@ -131,11 +130,11 @@ def bench_job(cfg: dict) -> dict:
     result = common.summary(times, comm, loaded)
     result["times"] = times
     denom = min(result["t_compute"], result["t_comm"])
-    result["variants"] = {
-        name: {"options": cfg["extra"][name], "t": statistics.median(times[name]),
-               "speedup": result["t_base"] / statistics.median(times[name]),
-               "efficiency": (result["t_base"] - statistics.median(times[name])) / denom}
-        for name in cfg.get("extra", {})}
+    result["variants"] = {}
+    for name, opts in cfg.get("extra", {}).items():
+        t = statistics.median(times[name])
+        result["variants"][name] = {"options": opts, "t": t, "speedup": result["t_base"] / t,
+                                    "efficiency": (result["t_base"] - t) / denom}
     result["n_collectives"] = len(calls)
     result["comm_approx"] = any(c.get("approx") for c in calls)
     rep = variants["overlapc"][2].report
@@ -211,7 +210,7 @@ def parse_variants(specs) -> dict[str, dict]:
                 opts[k] = json.loads(v)
             except ValueError:
                 opts[k] = v
-        Options.from_user(opts)  # a wrong name or value fails here, before any cluster is built
+        Options.from_user(opts)  # a wrong name or value is an OverlapError naming it
         out[name] = opts
     return out
 
@@ -220,11 +219,11 @@ def run(bench: Bench, model: dict, args) -> list[dict]:
     from benchmarks.cluster import EmulatedCluster
 
     rows = []
+    extra = parse_variants(args.variant)  # a wrong option fails here, before any cluster is built
     EmulatedCluster.cleanup_stale()
     for world_size in args.world_sizes:
         for mode in args.modes:
-            cfg = dict(builder=bench.builder, model=model, inner=args.inner, chunks=args.chunks,
-                       microbatches=args.microbatches, extra=parse_variants(args.variant),
+            cfg = dict(builder=bench.builder, model=model, inner=args.inner, chunks=args.chunks, extra=extra,
                        mode=mode, iters=args.iters)
             rate = 400.0 if args.rate == "auto" else float(args.rate)
             with EmulatedCluster(world_size, rate_mbit=rate) as cluster:
@@ -340,8 +339,6 @@ def parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--inner", default="eager", choices=["eager", "inductor"])
     p.add_argument("--chunks", default="auto", type=lambda s: s if s == "auto" else int(s))
     p.add_argument("--iters", type=int, default=7)
-    p.add_argument("--microbatches", type=int, default=1,
-                   help="overlapc's option microbatches (batch slices that interleave; 1: off)")
     p.add_argument("--variant", nargs="+", action="append", type=str, metavar=("NAME", "OPTION=VALUE"),
                    help="also time overlapc with these options in the same interleaved run, e.g. "
                         "--variant mb2 microbatches=2 strategy=none (repeatable; reported in the JSON and printed)")

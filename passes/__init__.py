@@ -26,8 +26,9 @@ def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None) -
     cuts = []
     if options.microbatches > 1:
         cuts = report_rows(split_microbatches(gm.graph, options.microbatches), graph_kind, options.microbatches)
-        if any(r.status == "rewritten" for r in cuts):
-            legalize(gm.graph)
+    sliced = any(r.status == "rewritten" for r in cuts)
+    if sliced:
+        legalize(gm.graph)
     deps = DepGraph(gm.graph)
     sites, loose = find_sites(gm.graph, graph_kind, deps)
     order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
@@ -39,7 +40,7 @@ def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None) -
         legalize(gm.graph)
     reordered = options.schedule and schedule(gm.graph)
     # Tells the inductor inner compiler to keep this order through its own scheduler.
-    gm.meta["overlapc_changed"] = bool(rewritten or reordered or any(r.status == "rewritten" for r in cuts))
+    gm.meta["overlapc_changed"] = bool(rewritten or reordered or sliced)
     rows = [s.to_report() for s in sites] + [l.to_report() for l in loose]
     rows.sort(key=lambda r: order.get(r.collective, 0))
     rows = cuts + rows
