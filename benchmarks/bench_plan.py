@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -228,11 +229,14 @@ def report(rows, cmd: str) -> None:
     common.update_benchmarks_md("Planner: predicted vs measured (issue 5)", "\n".join(lines))
 
 
-def rescore(path: str) -> dict:
+def rescore(path: str, overrides: dict | None = None) -> dict:
     """The current cost model against the timings of an earlier run (its plan.json): each
     row's stages and calibrated profile re-predicted, the count the model picks now judged
-    by the sweep's time for it (rows whose count was not in the sweep are not judged). For
-    trying a model change on several runs before spending a run on it. Prints one line."""
+    by the sweep's time for it, or the planner variant's where that ran the same count
+    (other rows are not judged). ``overrides``: profile fields set on every row, keyed
+    ``"world,rate"`` (e.g. ``"4,3000"``) or ``"*"`` for all: a new field's value before a run
+    has calibrated it. For trying a model change on several runs before spending a run on
+    it. Prints one line."""
     from overlapc.passes import cost, plan
 
     with open(path) as f:
@@ -240,8 +244,11 @@ def rescore(path: str) -> dict:
     errs, fixed_errs, within, judged = [], [], 0, 0
     for r in rows:
         p, t = r["predicted"], r["t"]
+        prof = dict(r["profile"])
+        for key in ("*", f"{r['world']},{r['rate_mbit']:g}"):
+            prof.update((overrides or {}).get(key, {}))
         pred = cost.predict_stages([cost.Stage(**d) for d in p["stages"]], r["world"], "float32",
-                                   cost.profile_from_dict(r["profile"]), p["extent"], p.get("copy_bytes") or 0,
+                                   cost.profile_from_dict(prof), p["extent"], p.get("copy_bytes") or 0,
                                    p.get("add_bytes") or 0)
         per = pred.per_chunks
         n = plan.pick_count(per)
@@ -275,10 +282,19 @@ def main(argv=None):
                    help="rewrite the BENCHMARKS.md section from benchmarks/results/plan.json (no measuring)")
     p.add_argument("--rescore", nargs="+", metavar="PLAN_JSON",
                    help="re-predict earlier runs' timings with the current model and print how it does (no measuring)")
+    p.add_argument("--set", nargs="+", default=[], metavar="[WORLD,RATE:]FIELD=VALUE",
+                   help="with --rescore: set a profile field (JSON value) on every row, or on one cluster's")
     args = p.parse_args(argv)
     if args.rescore:
+        overrides: dict = {}
+        for item in args.set:
+            m = re.fullmatch(r"(?:(\d+,[\d.]+):)?(\w+)=(.+)", item)
+            if not m:
+                p.error(f"--set {item!r}: expected [WORLD,RATE:]FIELD=JSON")
+            where, key, val = m.groups()
+            overrides.setdefault(where or "*", {})[key] = json.loads(val)
         for path in args.rescore:
-            rescore(path)
+            rescore(path, overrides)
         return 0
     if args.from_json:
         with open(os.path.join(common.RESULTS, "plan.json")) as f:

@@ -10,9 +10,9 @@ GEMM: square-ish ``mm`` of several sizes per dtype; the model's curve
 ``t = (F + F_half) / (peak * eff_max)`` is a straight line in F, fitted by least squares
 (``peak * eff_max`` from the slope, ``F_half`` from the intercept; eff_max is 1 here:
 "peak" is the best measured rate); times are first divided by the rows term
-``1 + half_rows / M``, with half_rows from a skinny (128-row) and a wide (1024-row) ``mm``
-of one 1024 x 2048 weight (a chunk's GEMM streams the whole weight for its share of the
-rows). Link: ``all_gather_into_tensor`` of several sizes;
+``1 + half_rows / M``, with half_rows from a line through the times of one 1024 x 2048
+weight applied to 32 .. 512 rows (a chunk's GEMM streams the whole weight for its share of
+the rows), for ``mm`` and for ``bmm`` (``half_rows_batched``, rows per batch entry). Link: ``all_gather_into_tensor`` of several sizes;
 ``t = (W-1) * alpha + (W-1) * B / beta``: beta from the slope over the three largest. The reduce-scatter factor is the
 measured ratio of a reduce-scatter to the ring formula (gloo runs it as an all-reduce);
 a 32 MiB one's excess over that is ``rs_large``.
@@ -20,20 +20,22 @@ Overlap loss: an all-gather and a run of GEMMs of about the same duration starte
 together; the part of the shorter one that did not hide. Comm loss (per kind): an
 all-gather, a reduce-scatter, each with GEMMs of half its time under it; how much longer
 the transfer took per second of GEMM. Alpha: 16 tiny all-gathers
-in a row; chunk overhead: six tiny ops (the slices, views and concatenation parts a chunk
+in a row; loaded latency: the same with GEMMs on a side thread, over alone; chunk overhead: six tiny ops (the slices, views and concatenation parts a chunk
 adds). Copy rate: a 64 MiB copy.
 """
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import torch
 import torch.distributed as dist
 
 GEMM_SIZES = [(128, 256, 256), (256, 512, 512), (512, 1024, 1024), (1024, 1024, 1024)]
-SKINNY = (128, 1024, 1024, 2048)
-"""(M skinny, M wide, K, N): one weight, few and many rows (the rows term of the GEMM curve)."""
+ROWS = ((32, 64, 128, 256, 512), 1024, 2048, 4)
+"""(rows M, K, N, batch): one weight (``batch`` of them for bmm) applied to M rows, for the
+rows term of the GEMM curve."""
 COMM_BYTES = [1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 22]
 RS_BIG = 32 << 20  # input bytes of the large reduce-scatter (the excess over the rs_factor formula)
 STREAM_BYTES = 8 << 20  # a curve point's back-to-back run moves at least this much (gathered / sent)
@@ -48,6 +50,31 @@ def _median(fn, reps: int) -> float:
         ts.append(time.perf_counter() - t)
     ts.sort()
     return ts[len(ts) // 2]
+
+
+def _rows_term(dtype, batch: int, half_flops: float, reps: int) -> float:
+    """Rows (per batch entry) at which a GEMM of one weight runs at half its rate: the times
+    of ``ROWS``' M values, interleaved round by round, fitted as a line t = c (M + h) + c0,
+    where c0 is the fixed cost ``half_flops`` already stands for. Per flop
+    ``t ~ 1 + h / M`` (passes/cost.t_gemm); clamped to >= 0."""
+    ms, k, n, b = ROWS
+    b = b if batch else 1
+    w = torch.randn(*([b] if batch else []), k, n, dtype=dtype)
+    xs = [torch.randn(*([b] if batch else []), m, k, dtype=dtype) for m in ms]
+    op = torch.bmm if batch else torch.mm
+    fns = [lambda x=x: op(x, w) for x in xs]
+    for f in fns:
+        f()
+    ts = [[] for _ in fns]
+    for _ in range(reps):
+        for i, f in enumerate(fns):
+            t = time.perf_counter()
+            f()
+            ts[i].append(time.perf_counter() - t)
+    icpt, slope = _fit(list(ms), [_typical(v) for v in ts])
+    if slope <= 0:
+        return 0.0
+    return max(0.0, icpt / slope - half_flops / (2 * k * n * b))
 
 
 def _fit(xs, ys):
@@ -113,6 +140,29 @@ def _pair_loss(issue, a, b, reps_mm: int, group, reps: int) -> float:
     return min(1.0, max(0.0, (t_both - max(t_c, t_g)) / min(t_c, t_g)))
 
 
+def _loaded_latency(seq, a, b, group, reps: int) -> float:
+    """``seq()`` (a run of latency-bound collectives) timed alone and with GEMMs ``a @ b``
+    running on a side thread of every rank, round by round (slowest rank, barrier before
+    each): the ratio of the typical times, at least 1. A pipeline's chunks are on the wire
+    while their rank computes; the baseline's collectives are not."""
+    alone, loaded = [], []
+    for _ in range(reps):
+        alone.append(_comm_time(seq, group, 1, warm=False))
+        stop = threading.Event()
+
+        def spin():
+            while not stop.is_set():
+                torch.mm(a, b)
+        th = threading.Thread(target=spin, name="overlapc-calibrate-load", daemon=True)
+        th.start()
+        try:
+            loaded.append(_comm_time(seq, group, 1, warm=False))
+        finally:
+            stop.set()
+            th.join()
+    return max(1.0, _typical(loaded) / _typical(alone))
+
+
 def _concurrent_excess(issue, link: float, group, reps: int) -> float:
     """Two transfers (``issue()`` returns its work) issued at once against one after the
     other, timed round by round: the share of a transfer's time beyond ``link`` (its bytes at
@@ -137,15 +187,15 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
     gemm, points = {}, {}
     for dt in dtypes:
         dtype = getattr(torch, dt)
-        # Skinny against wide GEMM of one weight: how the rate falls with the rows (M), as a
-        # chunk's GEMM streams the whole weight for a fraction of the rows. Per flop,
-        # t ~ (1 + half_rows / M)  =>  half_rows = (r - 1) / (1 / M_s - r / M_l).
-        # half_flops (a fixed cost per call) is taken out of both times first, from a fit
-        # without the rows term; then peak and half_flops are refitted without the rows term.
-        (ms, ml, k2, n2) = SKINNY
-        w2 = torch.randn(k2, n2, dtype=dtype)
-        a_s, a_l = torch.randn(ms, k2, dtype=dtype), torch.randn(ml, k2, dtype=dtype)
-        t_s, t_l = _median(lambda: torch.mm(a_s, w2), reps), _median(lambda: torch.mm(a_l, w2), reps)
+        # How the rate falls with the rows (M), as a chunk's GEMM streams the whole weight
+        # for a fraction of the rows: one weight applied to 32 .. 512 rows (mm; and bmm, as
+        # per-expert GEMMs are, where it shows more: measured 2026-12-05 on this machine,
+        # fp32, K 1024, N 2048, us per row at 16 .. 1024 rows: mm 68 .. 44-46, bmm of 4 at 20 ..
+        # 640 rows 354 .. 173). Until 2026-12-05 this was the ratio of one 128-row and one
+        # 1024-row mm, which came out anywhere from 0 to 118 rows between calibrations of one
+        # cluster (a 6% effect under timing noise); a line through five sizes, interleaved, is
+        # steadier. half_flops (a fixed cost per call) comes from the square GEMMs' fit and is
+        # taken out of the rows term; then peak and half_flops are refitted without it.
         flops, times = [], []
         for m, n, k in GEMM_SIZES:
             a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
@@ -157,15 +207,12 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
             rate = 1 / slope if slope > 0 else max(f / t for f, t in zip(flops, times))
             return rate, max(0.0, icpt * rate)
 
-        half_rows = 0.0
-        f_s, f_l = 2 * ms * k2 * n2, 2 * ml * k2 * n2
-        for _ in range(2):  # rows term <- fit without it; fit <- times without the rows term
-            _, half = fit(half_rows)
-            r = (t_s / (f_s + half)) / (t_l / (f_l + half))
-            half_rows = max(0.0, (r - 1) / (1 / ms - r / ml)) if r < ml / ms else 0.0
+        _, half = fit(0.0)
+        half_rows = _rows_term(dtype, 0, half, reps)
+        half_rows_batched = _rows_term(dtype, 1, half, reps)
         rate, half = fit(half_rows)
         gemm[dt] = {"peak_tflops": rate / 1e12, "eff_max": 1.0, "half_gflop": half / 1e9,
-                    "half_rows": round(half_rows, 1)}
+                    "half_rows": round(half_rows, 1), "half_rows_batched": round(half_rows_batched, 1)}
     # All-gathers and all-to-alls at every size: the model reads these curves (bytes of one
     # rank's input -> time) where it has numbers. A link's rate per byte need not be
     # constant: over TCP on a shaped veth a 16 MiB all-to-all runs at 52-66% of the rate
@@ -213,6 +260,18 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
         for _ in range(16):
             dist.all_gather_into_tensor(tiny_out, tiny_in, group=group)
     alpha = max(_comm_time(tiny_seq, group, reps) / (16 * max(world - 1, 1)), 1e-6)
+    # How much longer latency is with GEMMs (~1 ms ones) running on the rank, per kind: 16
+    # tiny all-gathers, 16 tiny reduce-scatters. Measured 2026-12-05 on the emulated cluster
+    # (two calibrations each): reduce-scatters 1.0 at world 2 / 1000 Mbit/s, 1.0-1.9 at 3000,
+    # 2.0 at world 4 / 1000, 2.1-2.3 at 3000; all-gathers 1.4-3.2, noisier.
+    tiny_rs = torch.empty(16)
+
+    def tiny_rs_seq():
+        for _ in range(16):
+            dist.reduce_scatter_tensor(tiny_rs, tiny_out, group=group)
+    load_a, load_b = torch.randn(256, 512), torch.randn(512, 512)
+    loaded_latency = {kind: round(_loaded_latency(seq, load_a, load_b, group, 2 * reps), 2)
+                      for kind, seq in (("all_gather", tiny_seq), ("reduce_scatter", tiny_rs_seq))}
     # reduce-scatter of B input bytes vs the ring formula for it
     def ring(b):
         return (world - 1) * alpha + (world - 1) / world * b / beta
@@ -284,6 +343,7 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
         "concurrent_reductions": dist.get_backend(group) == "gloo",
         "comm_threads": 2 if dist.get_backend(group) == "gloo" else 1,  # ProcessGroupGloo's default threads
         "concurrent_excess": round(excess, 3),
+        "loaded_latency": loaded_latency,
         "rs_factor": rs_factor,
         "rs_large": rs_large,
         "fused_efficiency": None,

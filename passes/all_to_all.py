@@ -243,10 +243,12 @@ class _Gemms:
     def __init__(self):
         self.flops = self.count = 0
         self.fm = {True: [0, 0.0], False: [0, 0.0]}  # cut -> [flops, sum f / M]
+        self.batched = False  # a GEMM whose rows the chunks cut is batched (bmm: rows per batch entry)
 
-    def add(self, flops: int, rows, cut: bool) -> None:
+    def add(self, flops: int, rows, cut: bool, batched: bool = False) -> None:
         self.flops += flops
         self.count += 1
+        self.batched |= bool(rows) and cut and batched
         if rows:
             acc = self.fm[cut]
             acc[0] += flops
@@ -255,6 +257,7 @@ class _Gemms:
     def merge(self, other: "_Gemms") -> None:
         self.flops += other.flops
         self.count += other.count
+        self.batched |= other.batched
         for cut in (True, False):
             self.fm[cut][0] += other.fm[cut][0]
             self.fm[cut][1] += other.fm[cut][1]
@@ -316,7 +319,7 @@ def region_stages(region: ax.Region):
         if f is not None:
             m = ops.hint(out.shape[-2]) if node.target in ops.MATMULS and out is not None else None
             cut = m is not None and st.axis is not None and st.axis.dim == out.dim() - 2
-            gemms.setdefault(2 * level[node], _Gemms()).add(f, m, cut)
+            gemms.setdefault(2 * level[node], _Gemms()).add(f, m, cut, out is not None and out.dim() == 3)
             if dtype is None and out is not None:
                 dtype = ops.dtype_name(out)
         if st.axis is None:  # a sum over the axis: one more partial per extra chunk
@@ -348,7 +351,7 @@ def region_stages(region: ax.Region):
         g, late = cur
         rows, chunked = g.rows()
         stages.append(cost.Stage("compute", "gemm", g.flops, g.count, rows, chunked, late.flops, late.count,
-                                 late.rows()[0]))
+                                 late.rows()[0], g.batched))
     return stages, copy_bytes, add_bytes, dtype or "float32"
 
 

@@ -55,7 +55,10 @@ worker threads run two at a time; NCCL on one stream does not), a later chunk's 
 hides under the transfer of the one running beside it: it adds ``Max(its transfer, its
 whole time / comm_threads)`` (the link or the threads are the bottleneck). Where one chunk
 has several all-gathers or all-to-alls (issued at once), each pays its bytes at the link's
-best rate and ``concurrent_excess`` of the rest of its time (:func:`t_link`). Fused (a GPU
+best rate and ``concurrent_excess`` of the rest of its time (:func:`t_link`). A chunked
+collective's latency is ``loaded_latency`` times the idle one: its chunks run while the
+rank computes the pipeline's GEMMs, and on a busy host every ring step waits longer for a
+core (calibrated; 1 where it does not show). Fused (a GPU
 with symmetric memory):
 ``Max(t_gemm / fused_efficiency, t_comm) + t_comm / n_tiles_in_flight`` approximated as
 ``Max(g / eff_fused, c) + c / 8``.
@@ -88,6 +91,8 @@ class Gemm:
     half_flops: float   # flops at which a GEMM reaches half of eff_max * peak
     half_rows: float = 0.0  # rows (M) at which a GEMM's rate halves: a skinny GEMM streams its
                             # whole weight for few rows (0: not modelled)
+    half_rows_batched: float = 0.0  # the same for batched GEMMs (bmm: M rows per batch entry, e.g. per
+                                    # expert); 0: as half_rows
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,9 @@ class Profile:
     concurrent_reductions: bool = False  # chunked RS/AR issued at once run concurrently (gloo)
     comm_threads: int | None = None  # collectives a group runs at once (gloo: its 2 worker threads);
                                      # None: 2 where concurrent_reductions, else 1
+    loaded_latency: dict = field(default_factory=dict)  # collective kind -> its latency with GEMMs running on
+                                                        # the rank, relative to idle (a pipeline's chunks run
+                                                        # under its GEMMs; the baseline's do not); absent: 1
     concurrent_excess: float = 1.0  # share of a transfer's time beyond the link's best rate (per-connection
                                     # inefficiency, latency) that still shows when a chunk's several
                                     # all-gathers / all-to-alls are issued at once (1: none hides)
@@ -130,7 +138,7 @@ class Profile:
 def profile_from_dict(d: dict, path: str | None = None) -> Profile:
     try:
         gemm = {k: Gemm(float(v["peak_tflops"]) * 1e12, float(v["eff_max"]), float(v["half_gflop"]) * 1e9,
-                        float(v.get("half_rows", 0.0)))
+                        float(v.get("half_rows", 0.0)), float(v.get("half_rows_batched", 0.0)))
                 for k, v in d["gemm"].items()}
         link = Link(float(d["link"]["alpha_us"]) * 1e-6, float(d["link"]["beta_gbps"]) * 1e9)
         return Profile(name=d["name"], source=d["source"], gemm=gemm, link=link,
@@ -142,6 +150,7 @@ def profile_from_dict(d: dict, path: str | None = None) -> Profile:
                        concurrent_reductions=bool(d.get("concurrent_reductions", False)),
                        comm_threads=d.get("comm_threads"),
                        concurrent_excess=float(d.get("concurrent_excess", 1.0)),
+                       loaded_latency={k: max(1.0, float(v)) for k, v in (d.get("loaded_latency") or {}).items()},
                        fused_efficiency=d.get("fused_efficiency"), device=str(d.get("device", "cpu")),
                        curves={k: _monotone(v) for k, v in (d.get("curves") or {}).items() if v},
                        curves_world=int(d["curves_world"]) if d.get("curves") or d.get("rs_large") else None)
@@ -204,15 +213,17 @@ def default_profile_name() -> str:
 
 
 # ------------------------------------------------------------------ formulas (sympy)
-def t_gemm(flops, g: Gemm, rows=None):
-    """Time of one GEMM call of ``flops`` with ``rows`` rows (M; None: not known)."""
+def t_gemm(flops, g: Gemm, rows=None, batched: bool = False):
+    """Time of one GEMM call of ``flops`` with ``rows`` rows (M, per batch entry where
+    ``batched``; None: not known)."""
     flops = sympy.sympify(flops)
     if flops.is_number and flops == 0:
         return sympy.Integer(0)
     t = (flops + g.half_flops) / (g.peak_flops * g.eff_max)
     rows = sympy.sympify(rows) if rows is not None else None
-    if rows is not None and g.half_rows and not (rows.is_number and rows <= 0):
-        t = t * (1 + g.half_rows / rows)
+    h = (g.half_rows_batched or g.half_rows) if batched else g.half_rows
+    if rows is not None and h and not (rows.is_number and rows <= 0):
+        t = t * (1 + h / rows)
     return t
 
 
@@ -278,11 +289,12 @@ class Stage:
     after: int = 0      # compute: flops run whole, once, after the stage's last chunk (deferred sums)
     after_count: int = 0  # the GEMM calls of ``after``
     after_rows: int | None = None  # their rows (M)
+    batched: bool = False  # compute: its chunked GEMMs are batched (bmm: ``rows`` per batch entry)
 
     def to_dict(self) -> dict:
         return {"lane": self.lane, "kind": self.kind, "amount": self.amount, "count": self.count,
                 "rows": self.rows, "rows_chunked": self.rows_chunked, "after": self.after,
-                "after_count": self.after_count, "after_rows": self.after_rows}
+                "after_count": self.after_count, "after_rows": self.after_rows, "batched": self.batched}
 
     def t_after(self, gemm: "Gemm"):
         """Time of the deferred GEMMs (whole rows, as in the baseline)."""
@@ -296,7 +308,8 @@ def stage_times(st: Stage, fracs: list, world: int, gemm: Gemm, p: Profile) -> l
     """Per-chunk durations of one stage; ``fracs`` the chunks' shares of the rows."""
     if st.lane == "compute":
         rows = (lambda f: st.rows * f) if st.rows_chunked else (lambda f: st.rows)
-        return [st.count * t_gemm(sympy.sympify(st.amount) * f / st.count, gemm, None if st.rows is None else rows(f))
+        return [st.count * t_gemm(sympy.sympify(st.amount) * f / st.count, gemm,
+                                  None if st.rows is None else rows(f), st.batched)
                 for f in fracs]
     one = [sympy.sympify(st.amount) * f / st.count for f in fracs]  # bytes of one collective per chunk
     each = [t_comm(st.kind, b, world, p) for b in one]
@@ -309,6 +322,15 @@ def stage_times(st: Stage, fracs: list, world: int, gemm: Gemm, p: Profile) -> l
         links = [t_link(st.kind, b, world, p) for b in one]
         each = [lk + p.concurrent_excess * (t - lk) for t, lk in zip(each, links)]
     ts = [st.count * t for t in each]
+    lat = st.count * t_comm(st.kind, 0, world, p)  # the stage's latency, idle
+    loaded = _per_kind(p.loaded_latency, st.kind, 1.0)
+    if len(ts) > 1 and loaded > 1:
+        # Chunks run beside the pipeline's GEMMs, and a collective's latency is longer on a
+        # rank whose cores are busy (measured 2026-12-05 on the emulated cluster, 16 tiny
+        # all-gathers / reduce-scatters in a row with GEMMs on a side thread: 2.1-2.2x at
+        # world 4, 3000 Mbit/s; 1.0-1.4x at world 2, 1000 Mbit/s). The baseline's run alone.
+        lat = lat * loaded
+        ts = [t + lat * (1 - 1 / loaded) for t in ts]
     if st.kind in ("reduce_scatter", "all_reduce") and p.concurrent_reductions and len(ts) > 1:
         # Issued at once, they run ``comm_threads`` at a time (gloo: ProcessGroupGloo's two
         # worker threads): a chunk after the first adds its transfer where the link is the
@@ -316,7 +338,6 @@ def stage_times(st: Stage, fracs: list, world: int, gemm: Gemm, p: Profile) -> l
         # comm_threads where latency is. Measured (world 4, 1000 Mbit/s, reduce_scatter_tensor
         # issued async, all waited): 8 chunks of an 8 MiB input 104 ms against 107 ms whole;
         # of a 1 MiB input 30 ms against 13 ms whole; of 16 KiB, 32 ms against 8 ms.
-        lat = st.count * t_comm(st.kind, 0, world, p)
         k = p.comm_threads or 2
         ts = [ts[0]] + [sympy.Max(t - lat, t / max(1, int(k))) for t in ts[1:]]
     return ts
@@ -375,11 +396,16 @@ def flow(durations: list[list], lanes: list[str], loss: float = 0.0, after: list
 
 
 def comm_loss_of(kind: str, p: Profile) -> float:
-    """The profile's comm-side overlap loss for a collective kind (0 for GEMMs). Calibration
-    measures all-gathers and reduce-scatters; an all-to-all moves bytes like an all-gather
-    (no reduction), an all-reduce reduces like a reduce-scatter."""
+    """The profile's comm-side overlap loss for a collective kind (0 for GEMMs)."""
+    return _per_kind(p.comm_loss, kind, 0.0)
+
+
+def _per_kind(values: dict, kind: str, default: float) -> float:
+    """A per-kind profile value. Calibration measures all-gathers and reduce-scatters; an
+    all-to-all moves bytes like an all-gather (no reduction), an all-reduce reduces like a
+    reduce-scatter."""
     like = {"all_to_all": "all_gather", "all_reduce": "reduce_scatter"}
-    return p.comm_loss.get(kind, p.comm_loss.get(like.get(kind, ""), 0.0))
+    return values.get(kind, values.get(like.get(kind, ""), default))
 
 
 def chunk_fracs(n: int, extent=None) -> list:

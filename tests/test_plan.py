@@ -125,6 +125,25 @@ def test_comm_loss_lengthens_a_transfer_by_the_gemms_under_it():
     assert float(cost.t_stages(st, 8, g, p, 4)) > float(cost.t_stages(st, 8, g, lossless, 4))
 
 
+def test_loaded_latency_is_paid_by_chunks_only():
+    # A chunk's collective runs while its rank computes the pipeline's GEMMs; its latency is
+    # the profile's loaded one. The baseline's (one whole collective, alone) keeps the idle one.
+    p = dataclasses.replace(cost.load_profile("h100-nvlink"), concurrent_reductions=False)
+    loaded = dataclasses.replace(p, loaded_latency={"reduce_scatter": 3.0})
+    st = cost.Stage("comm", "all_reduce", 1 << 20)  # an all-reduce reads the reduce-scatter's factor
+    lat = float(cost.t_comm("all_reduce", 0, 8, p))
+    assert lat > 0
+    fr = cost.chunk_fracs(4)
+    idle, busy = cost.stage_times(st, fr, 8, p.gemm["bfloat16"], p), cost.stage_times(st, fr, 8, p.gemm["bfloat16"], loaded)
+    assert [float(b - i) for i, b in zip(idle, busy)] == pytest.approx([2 * lat] * 4)
+    assert cost.stage_times(st, [1], 8, p.gemm["bfloat16"], loaded) == cost.stage_times(st, [1], 8, p.gemm["bfloat16"], p)
+    ag = cost.Stage("comm", "all_gather", 1 << 20)
+    assert cost.stage_times(ag, fr, 8, p.gemm["bfloat16"], loaded) == cost.stage_times(ag, fr, 8, p.gemm["bfloat16"], p)
+    # read from a profile file's dict; values below 1 mean "not slower"
+    d = json.loads((cost.PROFILE_DIR / "h100-nvlink.json").read_text())
+    assert cost.profile_from_dict({**d, "loaded_latency": {"all_gather": 0.5}}).loaded_latency == {"all_gather": 1.0}
+
+
 def test_skinny_gemms_pay_the_rows_term():
     g = cost.Gemm(1e12, 1.0, 0.0, half_rows=64)
     f = 2 * 1024 * 1024 * 1024
@@ -137,6 +156,13 @@ def test_skinny_gemms_pay_the_rows_term():
     fr = cost.chunk_fracs(4, 512)
     assert sum(map(float, cost.stage_times(cut, fr, 8, g, p))) == pytest.approx(f / 1e12 * 1.5)
     assert sum(map(float, cost.stage_times(kept, fr, 8, g, p))) == pytest.approx(f / 1e12 * 1.125)
+    # Batched GEMMs (bmm: rows per batch entry, e.g. per expert) have their own rows term; 0: as mm's.
+    gb = dataclasses.replace(g, half_rows_batched=128)
+    assert float(cost.t_gemm(f, gb, rows=64, batched=True)) == pytest.approx(3 * float(cost.t_gemm(f, g)))
+    assert float(cost.t_gemm(f, g, rows=64, batched=True)) == pytest.approx(2 * float(cost.t_gemm(f, g)))
+    bcut = dataclasses.replace(cut, batched=True)
+    assert sum(map(float, cost.stage_times(bcut, fr, 8, gb, p))) == pytest.approx(f / 1e12 * 2.0)
+    assert cost.Stage(**bcut.to_dict()) == bcut  # plans round-trip through JSON (traces, re-scoring)
 
 
 def test_concurrent_reductions_hide_latency_under_a_neighbours_transfer():
@@ -445,15 +471,17 @@ def test_dropless_pipelines_are_priced_at_balanced_routing(fake_mesh8, tmp_path)
     assert f"other all-to-all, {follower.name.split(':')[1]}, is left alone" in owner.reason
 
 
-@pytest.mark.parametrize("half_rows, axis", [(0, "slots"), (4096, "experts")])
-def test_moe_axis_is_the_models_choice(fake_mesh8, tmp_path, half_rows, axis):
+@pytest.mark.parametrize("half_rows, batched, axis", [(0, 0, "slots"), (4096, 0, "experts"), (0, 4096, "experts")])
+def test_moe_axis_is_the_models_choice(fake_mesh8, tmp_path, half_rows, batched, axis):
     """Capacity-slot chunks allow more chunks but make every chunk's GEMM stream all the
     local experts' weights for fewer rows; whole-expert chunks use each weight once. With a
-    rows term (half_rows) the model prefers experts; without, the finer slot pipeline."""
+    rows term the model prefers experts; without, the finer slot pipeline. The experts are
+    bmm: the batched rows term (half_rows_batched) is theirs; 0 falls back to mm's."""
     prof = json.loads(open(_balanced_profile(tmp_path)).read())
-    prof["gemm"]["float32"] = {"peak_tflops": 20, "eff_max": 1.0, "half_gflop": 0.0, "half_rows": half_rows}
+    prof["gemm"]["float32"] = {"peak_tflops": 20, "eff_max": 1.0, "half_gflop": 0.0, "half_rows": half_rows,
+                               "half_rows_batched": batched}
     prof["link"] = {"alpha_us": 1.0, "beta_gbps": 6}  # the all-to-alls about as long as the experts
-    path = tmp_path / f"rows{half_rows}.json"
+    path = tmp_path / f"rows{half_rows}-{batched}.json"
     path.write_text(json.dumps(prof))
     report = _moe_plan(fake_mesh8, str(path), tokens=8192, dim=2048, hidden=4096, n_experts=32)
     local, cap = 32 // 8, None
