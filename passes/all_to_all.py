@@ -366,6 +366,21 @@ def _anchors(region: ax.Region) -> dict[Node, Node]:
     return {n: next((c for c in colls if level[c] - 1 >= level[n]), colls[-1]) for n in region.deferred}
 
 
+def retire_region(graph: Graph, region: ax.Region, anchors: dict[Node, Node], last_chunk: dict,
+                  on_erase=None) -> None:
+    """After a region's chunked replay (``last_chunk``: the last chunk's node per original):
+    erase the region's collectives, the last first, dead nodes swept before each (so that
+    nothing but the collective's wait still reads it), calling ``on_erase(coll)`` after each;
+    then order each deferred sum behind its anchor's last chunk (:func:`_run_after`)."""
+    for coll in reversed(region.collectives):
+        remove_dead_nodes(graph)
+        erase_collective(coll, ops.wait_of(coll))
+        if on_erase is not None:
+            on_erase(coll)
+    remove_dead_nodes(graph)
+    _run_after(anchors, last_chunk)
+
+
 def _run_after(anchors: dict[Node, Node], last_chunk: dict) -> None:
     """Order each deferred sum behind the last chunk of its anchor all-to-all: a scheduling
     edge (passes/schedule.ISSUE_AFTER). The schedule would otherwise run compute that feeds
@@ -466,15 +481,13 @@ def rewrite(site, chunks: int) -> None:
             site.status, site.strategy, site.chunks = "skipped", None, None
             site.reason = f"chunked replay of the region failed ({type(e).__name__}: {str(e)[:200]}); left unchanged"
             return False
-    for coll in reversed(region.collectives):
-        remove_dead_nodes(graph)
-        erase_collective(coll, ops.wait_of(coll))
+
+    def chained(coll):
         other = coll.meta.get(SITE)
         if other is not None and other is not site:
             other.status, other.strategy, other.chunks = "rewritten", "decompose", chunks
             other.details.update(axis=site.details["axis"], chained_from=site.name)
             other.details.pop("chained", None)
-    remove_dead_nodes(graph)
-    _run_after(anchors, pieces[-1])
+    retire_region(graph, region, anchors, pieces[-1], chained)
     _one_at_a_time(comm_first, pieces)
     site.details["chunk_sizes"] = sizes

@@ -27,7 +27,6 @@ from . import axis as ax
 from . import ops
 from .build import Builder, chunk_sizes
 from .lower import _erased
-from .normalize import erase_collective, remove_dead_nodes
 
 KINDS = (ops.ALL_GATHER, ops.REDUCE_SCATTER)
 
@@ -97,7 +96,7 @@ def report_rows(cuts: list[dict], graph_kind: str, n: int) -> list:
 def _rewrite(graph: Graph, coll: Node, region: ax.Region, n: int) -> set[Node]:
     """Replay ``region`` in ``n`` slices in place of its nodes; the new nodes (raises, the
     graph unchanged, where the replay fails)."""
-    from .all_to_all import _anchors, _run_after
+    from .all_to_all import _anchors, retire_region
 
     anchors = _anchors(region)
     level = region.levels()
@@ -108,11 +107,7 @@ def _rewrite(graph: Graph, coll: Node, region: ax.Region, n: int) -> set[Node]:
         pieces = ax.substitute(b, region, sizes, marks)
     _level_major(b.created[:marks[-1][2]] if marks else [], marks, level, coll)
     new = set(b.created)
-    for c in reversed(region.collectives):
-        remove_dead_nodes(graph)
-        erase_collective(c, ops.wait_of(c))
-    remove_dead_nodes(graph)
-    _run_after(anchors, pieces[-1])
+    retire_region(graph, region, anchors, pieces[-1])
     return {x for x in new if not _erased(x)}
 
 
