@@ -77,6 +77,34 @@ def _rows_term(dtype, batch: int, half_flops: float, reps: int) -> float:
     return max(0.0, icpt / slope - half_flops / (2 * k * n * b))
 
 
+FRESH_BYTES = 32 << 20
+"""glibc's largest dynamic mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): a block at
+least this big is mmap'd on every allocation and unmapped on free, so its first write
+page-faults every time; smaller ones are reused from the heap once the threshold has risen."""
+
+
+def _fresh_bw(reps: int) -> float:
+    """Bytes/s of the first touch of a fresh ``2 * FRESH_BYTES`` allocation: filling a new
+    tensor against filling a kept one, interleaved round by round."""
+    n = 2 * FRESH_BYTES // 4
+    kept = torch.empty(n)
+    kept.fill_(0.0)
+
+    def fresh():
+        torch.empty(n).fill_(1.0)
+    ts_fresh, ts_kept = [], []
+    fresh()
+    for _ in range(reps):
+        t = time.perf_counter()
+        fresh()
+        ts_fresh.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        kept.fill_(1.0)
+        ts_kept.append(time.perf_counter() - t)
+    extra = _typical(ts_fresh) - _typical(ts_kept)
+    return 2 * FRESH_BYTES / extra if extra > 0 else 0.0
+
+
 def _fit(xs, ys):
     """Least-squares line y = a + b x; returns (a, b)."""
     n = len(xs)
@@ -326,6 +354,11 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
     src = torch.empty(1 << 24, dtype=torch.float32)
     dst = torch.empty_like(src)
     copy_bw = src.numel() * 4 / _median(lambda: dst.copy_(src), reps)
+    # Outputs of FRESH_BYTES and more page-fault on every call (measured 2026-12-05, one
+    # thread: a 2048 x 256 x 4096 fp32 mm, 32 MiB out, 60.7 ms fresh against 46.6 ms into a
+    # kept output; 16 MiB outputs 23.7 / 22.4): whole GEMMs of big sites run below the rate
+    # fitted on small ones, and their chunks (smaller outputs) do not pay it.
+    fresh_bw = _fresh_bw(reps)
     prof = {
         "name": name,
         "source": (f"measured by overlapc calibrate on {time.strftime('%Y-%m-%d %H:%M')} UTC, world {world}, "
@@ -344,6 +377,7 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
         "comm_threads": 2 if dist.get_backend(group) == "gloo" else 1,  # ProcessGroupGloo's default threads
         "concurrent_excess": round(excess, 3),
         "loaded_latency": loaded_latency,
+        "fresh_alloc": {"bytes": FRESH_BYTES, "gbps": round(fresh_bw / 1e9, 3)} if fresh_bw else None,
         "rs_factor": rs_factor,
         "rs_large": rs_large,
         "fused_efficiency": None,

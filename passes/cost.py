@@ -119,6 +119,9 @@ class Profile:
     concurrent_reductions: bool = False  # chunked RS/AR issued at once run concurrently (gloo)
     comm_threads: int | None = None  # collectives a group runs at once (gloo: its 2 worker threads);
                                      # None: 2 where concurrent_reductions, else 1
+    fresh_bytes: float = 0.0        # outputs of at least this many bytes are fresh pages every call (glibc
+                                    # returns them to the OS on free: a GEMM's first write page-faults); 0: none
+    fresh_bw: float = 0.0           # bytes/s of that first touch
     loaded_latency: dict = field(default_factory=dict)  # collective kind -> its latency with GEMMs running on
                                                         # the rank, relative to idle (a pipeline's chunks run
                                                         # under its GEMMs; the baseline's do not); absent: 1
@@ -151,6 +154,8 @@ def profile_from_dict(d: dict, path: str | None = None) -> Profile:
                        comm_threads=d.get("comm_threads"),
                        concurrent_excess=float(d.get("concurrent_excess", 1.0)),
                        loaded_latency={k: max(1.0, float(v)) for k, v in (d.get("loaded_latency") or {}).items()},
+                       fresh_bytes=float((d.get("fresh_alloc") or {}).get("bytes", 0.0)),
+                       fresh_bw=float((d.get("fresh_alloc") or {}).get("gbps", 0.0)) * 1e9,
                        fused_efficiency=d.get("fused_efficiency"), device=str(d.get("device", "cpu")),
                        curves={k: _monotone(v) for k, v in (d.get("curves") or {}).items() if v},
                        curves_world=int(d["curves_world"]) if d.get("curves") or d.get("rs_large") else None)
@@ -290,11 +295,15 @@ class Stage:
     after_count: int = 0  # the GEMM calls of ``after``
     after_rows: int | None = None  # their rows (M)
     batched: bool = False  # compute: its chunked GEMMs are batched (bmm: ``rows`` per batch entry)
+    out_bytes: int = 0  # compute: bytes of its GEMM calls' outputs, whole (0: not counted)
+    out_whole: bool = False  # compute: the rewrite reassembles those outputs into whole tensors (which
+                             # are then the fresh allocations, not the chunks' outputs)
 
     def to_dict(self) -> dict:
         return {"lane": self.lane, "kind": self.kind, "amount": self.amount, "count": self.count,
                 "rows": self.rows, "rows_chunked": self.rows_chunked, "after": self.after,
-                "after_count": self.after_count, "after_rows": self.after_rows, "batched": self.batched}
+                "after_count": self.after_count, "after_rows": self.after_rows, "batched": self.batched,
+                "out_bytes": self.out_bytes, "out_whole": self.out_whole}
 
     def t_after(self, gemm: "Gemm"):
         """Time of the deferred GEMMs (whole rows, as in the baseline)."""
@@ -304,12 +313,22 @@ class Stage:
         return k * t_gemm(sympy.sympify(self.after) / k, gemm, self.after_rows)
 
 
+def t_fresh(nbytes, p: Profile):
+    """First touch of a fresh output of ``nbytes`` (0 below the profile's ``fresh_bytes``)."""
+    b = sympy.sympify(nbytes)
+    if not (p.fresh_bytes and p.fresh_bw and b.is_number and float(b) >= p.fresh_bytes):
+        return sympy.Integer(0)
+    return b / p.fresh_bw
+
+
 def stage_times(st: Stage, fracs: list, world: int, gemm: Gemm, p: Profile) -> list:
     """Per-chunk durations of one stage; ``fracs`` the chunks' shares of the rows."""
     if st.lane == "compute":
         rows = (lambda f: st.rows * f) if st.rows_chunked else (lambda f: st.rows)
-        return [st.count * t_gemm(sympy.sympify(st.amount) * f / st.count, gemm,
-                                  None if st.rows is None else rows(f), st.batched)
+        out = sympy.sympify(st.out_bytes) / max(1, st.count)  # one call's output, whole
+        return [st.count * (t_gemm(sympy.sympify(st.amount) * f / st.count, gemm,
+                                   None if st.rows is None else rows(f), st.batched)
+                            + (t_fresh(out, p) * f if st.out_whole or len(fracs) == 1 else t_fresh(out * f, p)))
                 for f in fracs]
     one = [sympy.sympify(st.amount) * f / st.count for f in fracs]  # bytes of one collective per chunk
     each = [t_comm(st.kind, b, world, p) for b in one]
@@ -443,11 +462,11 @@ def whole_times(stages: list[Stage], world: int, gemm: Gemm, p: Profile) -> list
     return [float(stage_times(st, [1], world, gemm, p)[0] + st.t_after(gemm)) for st in stages]
 
 
-def site_stages(pattern: str, nbytes, flops, count: int = 1, rows=None) -> list[Stage]:
+def site_stages(pattern: str, nbytes, flops, count: int = 1, rows=None, out_bytes: int = 0) -> list[Stage]:
     """AllGather -> mm, mm -> ReduceScatter, mm -> AllReduce: the two stages (the chunks cut
     the GEMMs' rows)."""
     comm = Stage("comm", KIND[pattern], nbytes)
-    gemm = Stage("compute", "gemm", flops, count, rows)
+    gemm = Stage("compute", "gemm", flops, count, rows, out_bytes=out_bytes, out_whole=bool(COMM_FIRST.get(pattern)))
     return [comm, gemm] if COMM_FIRST.get(pattern) else [gemm, comm]
 
 
@@ -498,13 +517,13 @@ class Prediction:
 
 
 def predict(pattern: str, nbytes: int, flops: int, world: int, dtype: str, p: Profile, extent: int,
-            copy_bytes: int = 0, gemm_calls: int = 1, rows: int | None = None) -> Prediction:
+            copy_bytes: int = 0, gemm_calls: int = 1, rows: int | None = None, out_bytes: int = 0) -> Prediction:
     """Baseline and best overlapped time of an AllGather -> mm, mm -> ReduceScatter or
     mm -> AllReduce site (numbers in, numbers out).
 
     ``copy_bytes``: what the decomposition copies besides the GEMMs and collectives
     (chunk outputs concatenated into the original layout, inputs regrouped by rank)."""
-    return predict_stages(site_stages(pattern, nbytes, flops, gemm_calls, rows), world, dtype, p, extent,
+    return predict_stages(site_stages(pattern, nbytes, flops, gemm_calls, rows, out_bytes), world, dtype, p, extent,
                           copy_bytes)
 
 

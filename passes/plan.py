@@ -100,7 +100,7 @@ def predict_site(site: MatchedSite, profile: cost.Profile, extent: int) -> cost.
     ms = [ops.hint(out.shape[-2]) for _, out in pairs]  # M of the GEMM calls the chunks cut
     rows = None if None in ms else min(ms)
     return cost.predict(site.pattern, nbytes, flops, site.world, dtype, profile, extent, copy_bytes=copied,
-                        gemm_calls=len(pairs), rows=rows)
+                        gemm_calls=len(pairs), rows=rows, out_bytes=sum(_nbytes(out) for _, out in pairs))
 
 
 def predict_region(site, profile: cost.Profile, left_out=frozenset(), chunks="auto") -> cost.Prediction | None:

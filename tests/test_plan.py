@@ -144,6 +144,29 @@ def test_loaded_latency_is_paid_by_chunks_only():
     assert cost.profile_from_dict({**d, "loaded_latency": {"all_gather": 0.5}}).loaded_latency == {"all_gather": 1.0}
 
 
+def test_fresh_outputs_page_fault_in_the_baseline_not_in_small_chunks():
+    # glibc maps outputs of >= 32 MiB fresh on every call: the whole GEMM of a big site pays
+    # the first touch of its output; row chunks (smaller outputs) do not, unless the rewrite
+    # reassembles them into a whole tensor (an all-gather site's consumers).
+    p = dataclasses.replace(cost.load_profile("h100-nvlink"), fresh_bytes=32 << 20, fresh_bw=1e9)
+    g = p.gemm["bfloat16"]
+    f, out = 2 * 4096 * 4096 * 4096, 4096 * 4096 * 2  # 32 MiB of bf16 output
+    fr = cost.chunk_fracs(4)
+    rs = cost.Stage("compute", "gemm", f, 1, 4096, out_bytes=out)
+    bare = dataclasses.replace(rs, out_bytes=0)
+    assert float(cost.stage_times(rs, [1], 8, g, p)[0] - cost.stage_times(bare, [1], 8, g, p)[0]) == pytest.approx(out / 1e9)
+    assert cost.stage_times(rs, fr, 8, g, p) == cost.stage_times(bare, fr, 8, g, p)
+    ag = dataclasses.replace(rs, out_whole=True)
+    extra = sum(float(a - b) for a, b in zip(cost.stage_times(ag, fr, 8, g, p), cost.stage_times(bare, fr, 8, g, p)))
+    assert extra == pytest.approx(out / 1e9)
+    small = dataclasses.replace(rs, out_bytes=out // 2)
+    assert cost.stage_times(small, [1], 8, g, p) == cost.stage_times(bare, [1], 8, g, p)
+    d = json.loads((cost.PROFILE_DIR / "h100-nvlink.json").read_text())
+    q = cost.profile_from_dict({**d, "fresh_alloc": {"bytes": 1024, "gbps": 2.5}})
+    assert (q.fresh_bytes, q.fresh_bw) == (1024, 2.5e9)
+    assert cost.profile_from_dict(d).fresh_bytes == 0  # GPU profiles: a caching allocator, no such cost
+
+
 def test_skinny_gemms_pay_the_rows_term():
     g = cost.Gemm(1e12, 1.0, 0.0, half_rows=64)
     f = 2 * 1024 * 1024 * 1024
