@@ -348,6 +348,9 @@ def test_calibrate_gives_every_rank_rank0s_numbers(world2, tmp_path):
         for b, t in prof.curves[kind]:
             assert float(cost.t_comm(kind, b, 2, prof)) == pytest.approx(t)
     assert 0.0 <= p["concurrent_excess"] <= 1.0
+    assert set(p["loaded_latency"]) == {"all_gather", "reduce_scatter"} and min(p["loaded_latency"].values()) >= 1.0
+    assert all(g["half_rows"] >= 0 and g["half_rows_batched"] >= 0 for g in p["gemm"].values())
+    assert p["fresh_alloc"] is None or (p["fresh_alloc"]["bytes"] == 32 << 20 and p["fresh_alloc"]["gbps"] > 0)
     f = tmp_path / "local.json"
     f.write_text(json.dumps(p))
     assert cost.load_profile(str(f)).name == "cpu-local"
