@@ -52,6 +52,20 @@ def _median(fn, reps: int) -> float:
     return ts[len(ts) // 2]
 
 
+def _local_rounds(fns, reps: int) -> list[float]:
+    """Each of ``fns`` run once untimed, then timed once per round on this rank (no barrier),
+    ``reps`` rounds: their typical times, in order."""
+    for f in fns:
+        f()
+    ts = [[] for _ in fns]
+    for _ in range(reps):
+        for i, f in enumerate(fns):
+            t = time.perf_counter()
+            f()
+            ts[i].append(time.perf_counter() - t)
+    return [_typical(v) for v in ts]
+
+
 def _rows_term(dtype, batch: int, half_flops: float, reps: int) -> float:
     """Rows (per batch entry) at which a GEMM of one weight runs at half its rate: the times
     of ``ROWS``' M values, interleaved round by round, fitted as a line t = c (M + h) + c0,
@@ -62,16 +76,7 @@ def _rows_term(dtype, batch: int, half_flops: float, reps: int) -> float:
     w = torch.randn(*([b] if batch else []), k, n, dtype=dtype)
     xs = [torch.randn(*([b] if batch else []), m, k, dtype=dtype) for m in ms]
     op = torch.bmm if batch else torch.mm
-    fns = [lambda x=x: op(x, w) for x in xs]
-    for f in fns:
-        f()
-    ts = [[] for _ in fns]
-    for _ in range(reps):
-        for i, f in enumerate(fns):
-            t = time.perf_counter()
-            f()
-            ts[i].append(time.perf_counter() - t)
-    icpt, slope = _fit(list(ms), [_typical(v) for v in ts])
+    icpt, slope = _fit(list(ms), _local_rounds([lambda x=x: op(x, w) for x in xs], reps))
     if slope <= 0:
         return 0.0
     return max(0.0, icpt / slope - half_flops / (2 * k * n * b))
@@ -90,18 +95,8 @@ def _fresh_bw(reps: int) -> float:
     kept = torch.empty(n)
     kept.fill_(0.0)
 
-    def fresh():
-        torch.empty(n).fill_(1.0)
-    ts_fresh, ts_kept = [], []
-    fresh()
-    for _ in range(reps):
-        t = time.perf_counter()
-        fresh()
-        ts_fresh.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        kept.fill_(1.0)
-        ts_kept.append(time.perf_counter() - t)
-    extra = _typical(ts_fresh) - _typical(ts_kept)
+    t_fresh, t_kept = _local_rounds([lambda: torch.empty(n).fill_(1.0), lambda: kept.fill_(1.0)], reps)
+    extra = t_fresh - t_kept
     return 2 * FRESH_BYTES / extra if extra > 0 else 0.0
 
 
