@@ -12,7 +12,8 @@ GEMM: square-ish ``mm`` of several sizes per dtype; the model's curve
 "peak" is the best measured rate); times are first divided by the rows term
 ``1 + half_rows / M``, with half_rows from a line through the times of one 1024 x 2048
 weight applied to 32 .. 512 rows (a chunk's GEMM streams the whole weight for its share of
-the rows), for ``mm`` and for ``bmm`` (``half_rows_batched``, rows per batch entry). Link: ``all_gather_into_tensor`` of several sizes;
+the rows), for ``mm`` and for ``bmm`` (``half_rows_batched``, rows per batch entry).
+Link: ``all_gather_into_tensor`` of several sizes;
 ``t = (W-1) * alpha + (W-1) * B / beta``: beta from the slope over the three largest. The reduce-scatter factor is the
 measured ratio of a reduce-scatter to the ring formula (gloo runs it as an all-reduce);
 a 32 MiB one's excess over that is ``rs_large``.
@@ -20,8 +21,9 @@ Overlap loss: an all-gather and a run of GEMMs of about the same duration starte
 together; the part of the shorter one that did not hide. Comm loss (per kind): an
 all-gather, a reduce-scatter, each with GEMMs of half its time under it; how much longer
 the transfer took per second of GEMM. Alpha: 16 tiny all-gathers
-in a row; loaded latency: the same with GEMMs on a side thread, over alone; chunk overhead: six tiny ops (the slices, views and concatenation parts a chunk
-adds). Copy rate: a 64 MiB copy.
+in a row; loaded latency: the same with GEMMs on a side thread, over alone; chunk
+overhead: six tiny ops (the slices, views and concatenation parts a chunk adds). Copy
+rate: a 64 MiB copy; first touch of fresh memory: a new 64 MiB tensor filled, over a kept one.
 """
 from __future__ import annotations
 
@@ -66,20 +68,20 @@ def _local_rounds(fns, reps: int) -> list[float]:
     return [_typical(v) for v in ts]
 
 
-def _rows_term(dtype, batch: int, half_flops: float, reps: int) -> float:
+def _rows_term(dtype, batched: bool, half_flops: float, reps: int) -> float:
     """Rows (per batch entry) at which a GEMM of one weight runs at half its rate: the times
     of ``ROWS``' M values, interleaved round by round, fitted as a line t = c (M + h) + c0,
     where c0 is the fixed cost ``half_flops`` already stands for. Per flop
     ``t ~ 1 + h / M`` (passes/cost.t_gemm); clamped to >= 0."""
     ms, k, n, b = ROWS
-    b = b if batch else 1
-    w = torch.randn(*([b] if batch else []), k, n, dtype=dtype)
-    xs = [torch.randn(*([b] if batch else []), m, k, dtype=dtype) for m in ms]
-    op = torch.bmm if batch else torch.mm
+    lead = [b] if batched else []
+    w = torch.randn(*lead, k, n, dtype=dtype)
+    xs = [torch.randn(*lead, m, k, dtype=dtype) for m in ms]
+    op = torch.bmm if batched else torch.mm
     icpt, slope = _fit(list(ms), _local_rounds([lambda x=x: op(x, w) for x in xs], reps))
     if slope <= 0:
         return 0.0
-    return max(0.0, icpt / slope - half_flops / (2 * k * n * b))
+    return max(0.0, icpt / slope - half_flops / (2 * k * n * (b if batched else 1)))
 
 
 FRESH_BYTES = 32 << 20
@@ -93,8 +95,6 @@ def _fresh_bw(reps: int) -> float:
     tensor against filling a kept one, interleaved round by round."""
     n = 2 * FRESH_BYTES // 4
     kept = torch.empty(n)
-    kept.fill_(0.0)
-
     t_fresh, t_kept = _local_rounds([lambda: torch.empty(n).fill_(1.0), lambda: kept.fill_(1.0)], reps)
     extra = t_fresh - t_kept
     return 2 * FRESH_BYTES / extra if extra > 0 else 0.0
@@ -231,8 +231,8 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
             return rate, max(0.0, icpt * rate)
 
         _, half = fit(0.0)
-        half_rows = _rows_term(dtype, 0, half, reps)
-        half_rows_batched = _rows_term(dtype, 1, half, reps)
+        half_rows = _rows_term(dtype, False, half, reps)
+        half_rows_batched = _rows_term(dtype, True, half, reps)
         rate, half = fit(half_rows)
         gemm[dt] = {"peak_tflops": rate / 1e12, "eff_max": 1.0, "half_gflop": half / 1e9,
                     "half_rows": round(half_rows, 1), "half_rows_batched": round(half_rows_batched, 1)}

@@ -328,7 +328,7 @@ def stage_times(st: Stage, fracs: list, world: int, gemm: Gemm, p: Profile) -> l
         out = sympy.sympify(st.out_bytes) / max(1, st.count)  # one call's output, whole
         return [st.count * (t_gemm(sympy.sympify(st.amount) * f / st.count, gemm,
                                    None if st.rows is None else rows(f), st.batched)
-                            + (t_fresh(out, p) * f if st.out_whole or len(fracs) == 1 else t_fresh(out * f, p)))
+                            + (t_fresh(out, p) * f if st.out_whole else t_fresh(out * f, p)))
                 for f in fracs]
     one = [sympy.sympify(st.amount) * f / st.count for f in fracs]  # bytes of one collective per chunk
     each = [t_comm(st.kind, b, world, p) for b in one]
@@ -341,16 +341,18 @@ def stage_times(st: Stage, fracs: list, world: int, gemm: Gemm, p: Profile) -> l
         links = [t_link(st.kind, b, world, p) for b in one]
         each = [lk + p.concurrent_excess * (t - lk) for t, lk in zip(each, links)]
     ts = [st.count * t for t in each]
+    if len(ts) == 1:
+        return ts
     lat = st.count * t_comm(st.kind, 0, world, p)  # the stage's latency, idle
     loaded = _per_kind(p.loaded_latency, st.kind, 1.0)
-    if len(ts) > 1 and loaded > 1:
+    if loaded > 1:
         # Chunks run beside the pipeline's GEMMs, and a collective's latency is longer on a
         # rank whose cores are busy (measured 2026-12-05 on the emulated cluster, 16 tiny
         # all-gathers / reduce-scatters in a row with GEMMs on a side thread: 2.1-2.2x at
         # world 4, 3000 Mbit/s; 1.0-1.4x at world 2, 1000 Mbit/s). The baseline's run alone.
         lat = lat * loaded
         ts = [t + lat * (1 - 1 / loaded) for t in ts]
-    if st.kind in ("reduce_scatter", "all_reduce") and p.concurrent_reductions and len(ts) > 1:
+    if st.kind in ("reduce_scatter", "all_reduce") and p.concurrent_reductions:
         # Issued at once, they run ``comm_threads`` at a time (gloo: ProcessGroupGloo's two
         # worker threads): a chunk after the first adds its transfer where the link is the
         # bottleneck (its latency hides under its neighbour's transfer), or its whole time /
@@ -465,9 +467,10 @@ def whole_times(stages: list[Stage], world: int, gemm: Gemm, p: Profile) -> list
 def site_stages(pattern: str, nbytes, flops, count: int = 1, rows=None, out_bytes: int = 0) -> list[Stage]:
     """AllGather -> mm, mm -> ReduceScatter, mm -> AllReduce: the two stages (the chunks cut
     the GEMMs' rows)."""
+    comm_first = bool(COMM_FIRST.get(pattern))  # an all-gather site reassembles its consumers' outputs
     comm = Stage("comm", KIND[pattern], nbytes)
-    gemm = Stage("compute", "gemm", flops, count, rows, out_bytes=out_bytes, out_whole=bool(COMM_FIRST.get(pattern)))
-    return [comm, gemm] if COMM_FIRST.get(pattern) else [gemm, comm]
+    gemm = Stage("compute", "gemm", flops, count, rows, out_bytes=out_bytes, out_whole=comm_first)
+    return [comm, gemm] if comm_first else [gemm, comm]
 
 
 def t_pipeline(comm_first: bool, g_flops, kind: str, nbytes, world: int, gemm: Gemm, p: Profile, n: int,
