@@ -47,14 +47,15 @@ RS_OP = torch.ops.overlapc.fused_matmul_reduce_scatter.default
 
 def backend_support(site) -> str | None:
     """None when the site's group and device have a symmetric-memory backend here."""
-    v = ops.val(site.coll.args[0])
-    if v is not None and v.device.type != "cpu":
-        return symm.cuda_supported(None)
     try:
         import torch.distributed as dist
         group = dist.distributed_c10d._resolve_process_group(site.group)
     except Exception as e:  # noqa: BLE001
         return f"process group {site.group!r} cannot be resolved: {e}"
+    v = ops.val(site.coll.args[0])
+    if v is not None and v.device.type != "cpu":
+        return symm.cuda_supported(group) if v.device.type == "cuda" else \
+            f"no symmetric-memory backend for {v.device.type} tensors"
     return symm.cpu_supported(group)
 
 

@@ -35,8 +35,8 @@ Triton ops (passes/fuse.py) where the group has symmetric memory, and says why e
 profiles), the fused time (passes/cost.t_fused) beats the best decomposition and the
 baseline by ``min_gain``, and the site can be fused on the profile's device. The CPU
 profiles price none (the kernels run in Triton's interpreter, for correctness, far slower
-than BLAS) and the multi-GPU workspace is not built, so today auto fuses only under a
-profile file that prices them on a group with symmetric memory.
+than BLAS), so auto fuses only under a profile that prices them, run where the group has
+symmetric memory (a GPU profile planned on a machine without CUDA says why not).
 """
 from __future__ import annotations
 

@@ -143,6 +143,75 @@ def test_fused_ops_match_plain_ops(world_size, dtype, world2, world4):
     assert symm.leaked_segments() == []
 
 
+class StandInSymmetricMemory:
+    """torch.distributed._symmetric_memory's ``empty`` / ``rendezvous`` / ``get_buffer`` /
+    ``barrier``, over
+    the CPU backend's shared memory: ``empty`` is this rank's region of a collective CPU
+    rendezvous, ``get_buffer(p)`` the mapping of rank p's. ``rendezvous_cuda`` runs on it
+    unchanged (its assembly, zeroing and layout; not torch's API nor the GPU streams)."""
+
+    def __init__(self, group, rendezvous_cpu):
+        self.group, self.rendezvous_cpu, self.regions = group, rendezvous_cpu, []
+
+    def empty(self, n, dtype, device):
+        ws = self.rendezvous_cpu(self.group, n, 0)
+        self.regions.append(ws)
+        return ws.buffers[ws.rank][:n].view(dtype)
+
+    def rendezvous(self, local, group_name):
+        assert group_name == self.group.group_name and local.data_ptr() == self.regions[-1].buffers[dist.get_rank()].data_ptr()
+        return self
+
+    def get_buffer(self, rank, sizes, dtype, storage_offset=0):
+        (n,) = sizes
+        return self.regions[-1].buffers[rank][storage_offset:storage_offset + n].view(dtype)
+
+    def barrier(self, channel=0, timeout_ms=0):
+        dist.barrier(self.group)
+
+
+def handle_backed(dtype: str):
+    """The fused ops on workspaces assembled by rendezvous_cuda from a stand-in handle."""
+    from overlapc.runtime import fused
+
+    dt = getattr(torch, dtype)
+    group = dist.group.WORLD
+    real = symm.rendezvous_cpu
+    standin = StandInSymmetricMemory(group, real)
+    symm.release_all()
+    symm.rendezvous_cpu = lambda g, nbytes, n_flags, timeout=60.0: symm.rendezvous_cuda(
+        g, nbytes, n_flags, torch.device("cpu"), sm=standin)
+    fails = []
+    try:
+        torch.manual_seed(99 + dist.get_rank())
+        for shape, d, chunks, ns, _ in AG_CASES[:2] + AG_CASES[-1:]:  # the last one grows the workspace
+            a = torch.randn(shape, dtype=dt)
+            bs = [torch.randn(a.shape[-1], abs(n), dtype=dt) for n in ns]
+            _, outs = fused.all_gather_matmul(a, bs, d, group.group_name, chunks or 3, 60)
+            ref = _ref_gather(a, d, group)
+            fails += [f"ag{shape}" for o, b in zip(outs, bs) if not torch.allclose(o.float(), (ref @ b).float(), **TOL[dtype])]
+        for full, rd, n in RS_CASES[:2]:
+            x = torch.randn([f * (dist.get_world_size() if i == rd else 1) for i, f in enumerate(full)], dtype=dt)
+            w = torch.randn(x.shape[-1], n, dtype=dt)
+            out = fused.matmul_reduce_scatter(x, w, rd, group.group_name, 60)
+            want = funcol.wait_tensor(funcol.reduce_scatter_tensor((x @ w).contiguous(), "sum", rd, group))
+            fails += [f"rs{full}"] if not torch.allclose(out.float(), want.float(), **TOL[dtype]) else []
+        ws = symm._WORKSPACES[(group.group_name, "cpu")]
+        layout = [int(ws.buffer_ptrs[p]) == standin.regions[-1].buffers[p].data_ptr() for p in range(ws.world)]
+        return dict(fails=fails, regions=len(standin.regions), layout=layout, epoch=ws.epoch)
+    finally:
+        symm.rendezvous_cpu = real
+        symm.release_all()
+
+
+def test_workspace_from_a_symmetric_memory_handle(world2):
+    """The CUDA backend's assembly over a handle: same layout (pointer table = the handle's
+    buffers), the fused ops correct, the workspace grown by a second rendezvous."""
+    for rank, r in enumerate(world2.run(handle_backed, "float32")):
+        assert r["fails"] == [] and all(r["layout"]), (rank, r)
+        assert r["regions"] >= 2 and r["epoch"] >= 1, (rank, r)  # grown at least once
+
+
 def bad_inputs():
     from overlapc.errors import OverlapError
     from overlapc.runtime import fused
@@ -304,7 +373,7 @@ def test_fuse_plan_structure(fake_mesh8):
 def test_auto_fuses_where_the_model_says_it_pays(fake_mesh8, tmp_path):
     """strategy "auto" prices the fused op (cost.t_fused) beside the decompositions: under a
     GPU profile (device "cuda") the sites where fusion would pay say why it is not taken (no
-    CUDA workspace), and the plan is what it was; under the same figures for a device with
+    CUDA device here), and the plan is what it was; under the same figures for a device with
     symmetric memory here, exactly those sites are fused, and the plan shows the fused time."""
     import json
 

@@ -91,7 +91,7 @@ class _Watchdog:
 
         def fire():
             self.fired = True
-            ws.abort_word()[0] = 1
+            ws.abort()
 
         self.deadline = time.monotonic() + timeout
         self._t = threading.Timer(timeout, fire)
@@ -157,24 +157,27 @@ def all_gather_matmul(a: torch.Tensor, bs: list[torch.Tensor], gather_dim: int, 
     dog = _Watchdog(ws, timeout)
     shard = a.contiguous().view(M_L, K)
 
-    # Copy engine: rank-rotated peers, chunk-major (every peer's chunk 0 goes out first).
+    # Copy engine: rank-rotated peers, chunk-major (every peer's chunk 0 goes out first). On a
+    # GPU it queues copies and flag stores on its own stream, after the work that made ``a``.
     error: list[BaseException] = []
+    ws.fork("copy")
 
     def produce():
         try:
-            peers = [(rank + i) % world for i in range(world)]
-            ready = set()
-            for c in range(chunks):
-                r0, r1 = c * chunk_rows, min(M_L, (c + 1) * chunk_rows)
-                for p in peers:
-                    if p not in ready:  # p has finished reading the previous call from its buffer
-                        while int(ws.done()[p]) < epoch - 1:
-                            if int(ws.abort_word()[0]):
-                                return
-                            time.sleep(0)
-                        ready.add(p)
-                    ws.view(p, (world, M_L, K), a.dtype)[rank, r0:r1].copy_(shard[r0:r1])
-                    ws.flags(p)[rank * chunks + c] = epoch
+            with ws.on("copy"):
+                peers = [(rank + i) % world for i in range(world)]
+                ready = set()
+                for c in range(chunks):
+                    r0, r1 = c * chunk_rows, min(M_L, (c + 1) * chunk_rows)
+                    for p in peers:
+                        if p not in ready:  # p has finished reading the previous call from its buffer
+                            while int(ws.done()[p]) < epoch - 1:
+                                if int(ws.abort_word()[0]):
+                                    return
+                                time.sleep(0)
+                            ready.add(p)
+                        ws.view(p, (world, M_L, K), a.dtype)[rank, r0:r1].copy_(shard[r0:r1])
+                        ws.store(ws.flags(p)[rank * chunks + c: rank * chunks + c + 1], epoch)
         except BaseException as e:  # surfaced on the calling thread
             error.append(e)
 
@@ -203,6 +206,7 @@ def all_gather_matmul(a: torch.Tensor, bs: list[torch.Tensor], gather_dim: int, 
         gathered = torch.empty(gshape, dtype=a.dtype, device=a.device)
         gathered.view(outer, world, inner, K).copy_(buf.view(world, outer, inner, K).transpose(0, 1))
     producer.join(timeout=max(0.0, dog.deadline - time.monotonic()) + 1.0)
+    ws.join("copy")
 
     def missing():
         flags = ws.flags()[: world * chunks].view(world, chunks)

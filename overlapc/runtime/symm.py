@@ -16,20 +16,29 @@ so epochs agree without communication.
 
 Backends:
 
-- CPU (``SymmetricMemory.cpu``): POSIX shared memory. Each rank creates a segment
+- CPU (``rendezvous_cpu``): POSIX shared memory. Each rank creates a segment
   (``/dev/shm/overlapc-<job>-<group>-g<gen>-r<rank>``, mode 0600), publishes its name in the
   process group's store, maps every peer's, and once every rank has mapped every segment
   the names are unlinked: the memory lives on in the mappings, and nothing is left in
   /dev/shm when a rank dies later, even by SIGKILL. If the rendezvous fails, every rank
   unlinks every name of that rendezvous; an ``atexit`` hook unlinks what a process still
   owns. The same Triton kernels then run across real processes under ``TRITON_INTERPRET=1``.
-- CUDA: not built yet. The kernels are the same; the multi-GPU workspace would come from
-  torch's symmetric memory (``torch.distributed._symmetric_memory``), but no GPU world was
-  available to test it, so ``cuda_supported`` says so and the planner does not fuse there.
+- CUDA (``rendezvous_cuda``): torch's symmetric memory
+  (``torch.distributed._symmetric_memory``: ``empty`` + ``rendezvous`` over the group, nccl).
+  One allocation per rank holds data and signal words in the same layout as the CPU
+  backend (the signal words live in overlapc's own region, not in torch's fixed-size signal
+  pad, which torch's own barriers use); every peer's region is mapped here through
+  ``get_buffer``, and the pointer tables live on the device. Host writes to signal words
+  (flags raised by the copy engine, done words, abort words) are copies from pinned host
+  memory: they run on a copy engine, so they land even while a spinning kernel holds every
+  SM (a fill kernel would queue behind it). The copy engine and the watchdog work on their
+  own streams (``SymmetricMemory.on``). Untested on a GPU so far (no multi-GPU machine was
+  available): the CPU tests run the same assembly through a stand-in for torch's handle.
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import mmap
 import os
@@ -83,7 +92,17 @@ def cpu_supported(group) -> str | None:
 
 
 def cuda_supported(group) -> str | None:
-    return "the CUDA symmetric-memory workspace is not built yet (the kernels are; see overlapc/runtime/symm.py)"
+    """None when ``group`` (None: any nccl group) can use the CUDA backend here, else why not."""
+    if not torch.cuda.is_available():
+        return "no CUDA device here: the CUDA symmetric-memory workspace needs one"
+    try:
+        from torch.distributed import _symmetric_memory as sm
+        sm.empty, sm.rendezvous  # noqa: B018
+    except (ImportError, AttributeError) as e:
+        return f"torch {torch.__version__} has no symmetric memory ({e})"
+    if group is not None and dist.get_backend(group) != "nccl":
+        return f"process group backend {dist.get_backend(group)!r}: CUDA symmetric memory needs nccl"
+    return None
 
 
 @dataclass
@@ -99,6 +118,7 @@ class SymmetricMemory:
     signal_ptrs: torch.Tensor            # int64 [world]
     epoch: int = 0
     _keep: list = field(default_factory=list, repr=False)
+    _streams: dict = field(default_factory=dict, repr=False)
 
     # ---------------------------------------------------------------- layout
     @property
@@ -122,6 +142,40 @@ class SymmetricMemory:
         nbytes = n * torch.empty((), dtype=dtype).element_size()
         return self.buffers[peer][:nbytes].view(dtype).view(shape)
 
+    # ---------------------------------------------------------------- host access
+    @property
+    def device(self) -> torch.device:
+        return self.signals[self.rank].device
+
+    def store(self, word: torch.Tensor, value: int) -> None:
+        """Write ``value`` into signal word(s) ``word`` (this rank's or a peer's), on the
+        current stream. On a GPU: a copy from pinned host memory (a copy engine, not an SM)."""
+        if word.device.type == "cpu":
+            word.fill_(value)
+        else:
+            word.copy_(torch.full(word.shape, value, dtype=word.dtype).pin_memory(), non_blocking=True)
+
+    def _stream(self, name: str):
+        if name not in self._streams:
+            self._streams[name] = torch.cuda.Stream(self.device)
+        return self._streams[name]
+
+    def on(self, name: str):
+        """Context: run on this workspace's stream ``name`` (a GPU; nothing to do on the CPU)."""
+        if self.device.type == "cpu":
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._stream(name))
+
+    def fork(self, name: str) -> None:
+        """Stream ``name`` waits for the work queued so far on the current stream."""
+        if self.device.type != "cpu":
+            self._stream(name).wait_stream(torch.cuda.current_stream(self.device))
+
+    def join(self, name: str) -> None:
+        """The current stream waits for what stream ``name`` has queued."""
+        if self.device.type != "cpu" and name in self._streams:
+            torch.cuda.current_stream(self.device).wait_stream(self._streams[name])
+
     # ---------------------------------------------------------------- protocol
     def next_epoch(self) -> int:
         self.epoch += 1
@@ -143,7 +197,7 @@ class SymmetricMemory:
     def signal_done(self, epoch: int) -> None:
         """This rank has finished reading its buffer for call ``epoch``: tell every peer."""
         for p in range(self.world):
-            self.done(p)[self.rank] = epoch
+            self.store(self.done(p)[self.rank:self.rank + 1], epoch)
 
     def check_abort(self, op: str) -> None:
         if int(self.abort_word()[0]):
@@ -151,9 +205,17 @@ class SymmetricMemory:
 
     def fail(self, op: str, what: str) -> None:
         """Abort the call on every rank (peers stop waiting at once) and raise."""
-        for p in range(self.world):
-            self.abort_word(p)[0] = 1
+        self.abort_all()
         raise OverlapError(f"{op}: timed out on rank {self.rank} of group {_group_name(self.group)!r}: {what}")
+
+    def abort(self, peer: int | None = None) -> None:
+        """Raise the abort word of ``peer`` (default: this rank), on the abort stream."""
+        with self.on("abort"):
+            self.store(self.abort_word(peer), 1)
+
+    def abort_all(self) -> None:
+        for p in range(self.world):
+            self.abort(p)
 
     def close(self) -> None:
         self._keep.clear()
@@ -211,14 +273,47 @@ def rendezvous_cpu(group, nbytes: int, n_flags: int, timeout: float = 60.0) -> S
     finally:
         os.close(fd)
     _unlink(name)  # every rank has mapped it: the memory lives on in the mappings
-    data_bytes = _round_up(nbytes, mmap.PAGESIZE)
     raw = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
+    return _assemble(group, rank, world, raw, _round_up(nbytes, mmap.PAGESIZE), n_signals, keep=[maps, raw])
+
+
+def _assemble(group, rank: int, world: int, raw: list[torch.Tensor], data_bytes: int, n_signals: int,
+              keep: list) -> SymmetricMemory:
+    """The workspace over every rank's region as mapped here (``raw[p]``: uint8, data bytes
+    then the signal words): the one layout of both backends."""
     buffers = [r[:data_bytes] for r in raw]
     signals = [r[data_bytes:data_bytes + 4 * n_signals].view(torch.int32) for r in raw]
+    dev = raw[rank].device
     return SymmetricMemory(group, rank, world, data_bytes, n_signals, buffers, signals,
-                           torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64),
-                           torch.tensor([s.data_ptr() for s in signals], dtype=torch.int64),
-                           _keep=[maps, raw])
+                           torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=dev),
+                           torch.tensor([s.data_ptr() for s in signals], dtype=torch.int64, device=dev),
+                           _keep=keep)
+
+
+# -------------------------------------------------------------------- CUDA backend
+def rendezvous_cuda(group, nbytes: int, n_flags: int, device: torch.device, sm=None) -> SymmetricMemory:
+    """Collective over ``group``: one region per rank from torch's symmetric memory (``sm``:
+    ``torch.distributed._symmetric_memory``, or a stand-in with its ``empty`` /
+    ``rendezvous`` / ``get_buffer`` / ``barrier`` in tests), signal words zeroed on every rank
+    before any rank can raise one."""
+    if sm is None:
+        from torch.distributed import _symmetric_memory as sm
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    gname = _group_name(group)
+    n_signals = n_flags + world + 1
+    data_bytes = _round_up(nbytes, 256)
+    total = data_bytes + _round_up(4 * n_signals, 256)
+    try:
+        local = sm.empty(total, dtype=torch.uint8, device=device)
+        local[data_bytes:].zero_()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        handle = sm.rendezvous(local, gname)
+        raw = [handle.get_buffer(p, (total,), torch.uint8, 0) for p in range(world)]
+        handle.barrier()  # every rank's signal words are zero before any rank can raise one
+    except Exception as e:
+        raise OverlapError(f"symmetric memory rendezvous of group {gname!r} failed on rank {rank}: {e}") from e
+    return _assemble(group, rank, world, raw, data_bytes, n_signals, keep=[local, handle, raw])
 
 
 # -------------------------------------------------------------------- workspaces
@@ -236,9 +331,13 @@ def workspace(group, nbytes: int, n_flags: int, device: torch.device, timeout: f
         nbytes, n_flags = max(nbytes, ws.nbytes), max(n_flags, ws.n_flags)
     # Grow geometrically so a model with many shapes rendezvouses a few times, not per shape.
     nbytes, n_flags = _pow2(nbytes), _pow2(max(n_flags, 64))
-    if device.type != "cpu":
-        raise OverlapError(f"symmetric memory on {device.type}: {cuda_supported(group)}")
-    new = rendezvous_cpu(group, nbytes, n_flags, timeout)
+    if device.type == "cpu":
+        new = rendezvous_cpu(group, nbytes, n_flags, timeout)
+    else:
+        why = cuda_supported(group) if device.type == "cuda" else f"no symmetric-memory backend for {device.type}"
+        if why:
+            raise OverlapError(f"symmetric memory on {device}: {why}")
+        new = rendezvous_cuda(group, nbytes, n_flags, device)
     if ws is not None:  # every rank is past the old workspace's last call: it is in this rendezvous
         ws.close()
     _WORKSPACES[key] = new
