@@ -212,6 +212,45 @@ def test_workspace_from_a_symmetric_memory_handle(world2):
         assert r["regions"] >= 2 and r["epoch"] >= 1, (rank, r)  # grown at least once
 
 
+def autotuned(dtype: str):
+    """Two candidate block sizes (the interpreter's list has one): the first call of a shape
+    times both on local scratch and keeps one per (kernel, shape); RS picks agree across ranks."""
+    import overlapc.kernels.gemm as g
+    from overlapc.runtime import fused
+
+    dt = getattr(torch, dtype)
+    group = dist.group.WORLD
+    world = dist.get_world_size()
+    real = g.configs
+    g.configs = lambda M, N, K: [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1),
+                                 dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)]
+    fused._TUNED.clear()
+    fails = []
+    try:
+        torch.manual_seed(7 + dist.get_rank())
+        for _ in range(2):  # the second call of each shape reuses the pick
+            a, b = torch.randn(24, 40, dtype=dt), torch.randn(40, 36, dtype=dt)
+            _, (o,) = fused.all_gather_matmul(a, [b], 0, group.group_name, 3, 60)
+            if not torch.allclose(o.float(), (_ref_gather(a, 0, group) @ b).float(), **TOL[dtype]):
+                fails.append("ag")
+            x = torch.randn(12 * world, 40, dtype=dt)
+            out = fused.matmul_reduce_scatter(x, b, 0, group.group_name, 60)
+            want = funcol.wait_tensor(funcol.reduce_scatter_tensor(x @ b, "sum", 0, group))
+            if not torch.allclose(out.float(), want.float(), **TOL[dtype]):
+                fails.append("rs")
+        return dict(fails=fails, tuned={k[0]: v["BLOCK_M"] for k, v in fused._TUNED.items()}, n=len(fused._TUNED))
+    finally:
+        g.configs = real
+        fused._TUNED.clear()
+
+
+def test_block_sizes_autotuned_per_shape(world2):
+    res = world2.run(autotuned, "float32")
+    for rank, r in enumerate(res):
+        assert r["fails"] == [] and r["n"] == 2 and set(r["tuned"]) == {"ag", "rs"}, (rank, r)
+    assert res[0]["tuned"]["rs"] == res[1]["tuned"]["rs"]  # every rank tiles the scatter alike
+
+
 def bad_inputs():
     from overlapc.errors import OverlapError
     from overlapc.runtime import fused

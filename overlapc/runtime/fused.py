@@ -113,14 +113,72 @@ def _finish(ws: symm.SymmetricMemory, dog: _Watchdog, op: str, epoch: int, missi
     ws.check_abort(op)
 
 
-def _launch_config(M: int, N: int, K: int):
-    """(block sizes, interpreting?, number of output tiles) of an M x N x K GEMM kernel."""
+_TUNED: dict[tuple, dict] = {}  # (kernel, M, N, K, dtype, device type) -> block sizes
+
+
+def _launch_config(kind: str, M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, group=None):
+    """(block sizes, interpreting?, number of output tiles) of an M x N x K tile grid of
+    kernel ``kind`` ("ag": the AG consumer, "rs": the RS producer over ``world`` owners)."""
     import triton
 
     from overlapc.kernels import INTERPRET
     from overlapc.kernels.gemm import configs
-    cfg = dict(configs(M, N, K)[0])
+    cands = configs(M, N, K)
+    cfg = dict(cands[0])
+    if len(cands) > 1:
+        key = (kind, M, N, K, dtype, device.type)
+        if key not in _TUNED:
+            _TUNED[key] = _autotune(kind, cands, M, N, K, dtype, device, group)
+        cfg = dict(_TUNED[key])
     return cfg, INTERPRET, triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+
+
+def _autotune(kind: str, cands: list[dict], M: int, N: int, K: int, dtype, device, group) -> dict:
+    """The fastest of ``cands`` for this shape, timed on local scratch (the same kernel as a
+    plain GEMM: one rank, one chunk, flags already up; nothing crosses ranks). For the RS
+    producer every rank must tile alike (flags are per tile, and the owner's consumer walks
+    its own tiles), so the ranks' times are summed (an all-reduce) before the pick."""
+    from overlapc.kernels import INTERPRET, tl_dtype
+    from overlapc.kernels.gemm import ag_gemm_consumer, gemm_rs_producer
+
+    world = 1 if group is None else dist.get_world_size(group)
+    rows = M if kind == "ag" else world * M  # the RS producer computes every owner's rows
+    a = torch.randn(rows, K, dtype=dtype, device=device)
+    b = torch.randn(K, N, dtype=dtype, device=device)
+    out = torch.empty(rows, N, dtype=dtype, device=device)
+    tiles = [-(-rows // c["BLOCK_M"]) * -(-N // c["BLOCK_N"]) for c in cands]
+    flags = torch.ones(max(tiles), dtype=torch.int32, device=device)  # up at epoch 1
+    abort = torch.zeros(1, dtype=torch.int32, device=device)
+    table = lambda t: torch.tensor([t.data_ptr()], dtype=torch.int64, device=device)  # noqa: E731
+    bufs, sigs = table(out), table(flags)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def launch(cfg, tiles):
+        if kind == "ag":
+            ag_gemm_consumer[(tiles,)](a, b, out, flags, abort, rows, N, K, 1, 0, 1, rows, 1, 1,
+                                       b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+                                       UPCAST=INTERPRET, PRECISION=_precision(dtype), **cfg)
+        else:
+            gemm_rs_producer[(tiles,)](a, b, bufs, sigs, rows, N, K, 1, 0, 1, 1,
+                                       a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                                       UPCAST=INTERPRET, PRECISION=_precision(dtype), OUT_DTYPE=tl_dtype(dtype),
+                                       **cfg)
+
+    times = []
+    for cfg, n in zip(cands, tiles):
+        launch(cfg, n)  # compile, warm
+        sync()
+        reps = []
+        for _ in range(3):
+            t = time.perf_counter()
+            launch(cfg, n)
+            sync()
+            reps.append(time.perf_counter() - t)
+        times.append(sorted(reps)[1])
+    if kind == "rs" and world > 1:
+        t = funcol.all_reduce(torch.tensor(times, dtype=torch.float64, device=device), "sum", group)
+        times = (funcol.wait_tensor(t) if isinstance(t, funcol.AsyncCollectiveTensor) else t).tolist()
+    return cands[min(range(len(cands)), key=times.__getitem__)]
 
 
 # ------------------------------------------------------------------ AllGather + GEMM
@@ -190,7 +248,7 @@ def all_gather_matmul(a: torch.Tensor, bs: list[torch.Tensor], gather_dim: int, 
     for b in bs:
         N = b.shape[1]
         out = torch.empty(world * M_L, N, dtype=a.dtype, device=a.device)
-        cfg, interpret, tiles = _launch_config(world * M_L, N, K)
+        cfg, interpret, tiles = _launch_config("ag", world * M_L, N, K, a.dtype, a.device)
         ag_gemm_consumer[(tiles,)](
             buf, b, out, ws.flags(), ws.abort_word(),
             M_L, N, K, world, rank, chunks, chunk_rows, inner, epoch,
@@ -245,7 +303,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, scatter_dim: int, gr
     calls["fused"] += 1
     M_O, inner = M // world, inner_all // world
     a2 = a.reshape(M, K)
-    cfg, interpret, tiles = _launch_config(M_O, N, K)
+    cfg, interpret, tiles = _launch_config("rs", M_O, N, K, a.dtype, a.device, group)
     ws = symm.workspace(group, world * M_O * N * a.element_size(), world * tiles, a.device, timeout)
     epoch = ws.next_epoch()
     dog = _Watchdog(ws, timeout)
