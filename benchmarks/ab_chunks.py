@@ -6,6 +6,7 @@ calibrated inside the cluster first. Emulated cluster, interleaved rounds.
 
     sudo python -m benchmarks.ab_chunks --model ulysses --world 2 --rate 658 --chunks auto 2 4
     sudo python -m benchmarks.ab_chunks --model moe --world 2 --rate 388 --chunks auto 3 4 6
+    sudo python -m benchmarks.ab_chunks --model ulysses --world 4 --rate 266 --chunks 2 4 --off addmm_partials
 
 Prints the median step times (ms), each variant's chunk counts and speedups, and the time
 it saves beside what the cost model predicts its rewritten sites save. A
@@ -30,7 +31,7 @@ MODELS = {  # builder, keyword arguments (the defaults of bench_ulysses / bench_
 }
 
 
-def ab_job(model_name: str, mode: str, profile: str, sites: str, counts: list, iters: int):
+def ab_job(model_name: str, mode: str, profile: str, sites: str, counts: list, iters: int, off: list | None = None):
     from torch.distributed.device_mesh import init_device_mesh
 
     from overlapc import Backend, Options
@@ -39,15 +40,18 @@ def ab_job(model_name: str, mode: str, profile: str, sites: str, counts: list, i
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     steps, chunks, saved, preds = {}, {}, {}, {}
     # "compute": the baseline with its collectives replaced by local copies (compute alone).
-    variants = [("base", None), ("compute", None)] + [(f"{sites} {c}", c) for c in counts]
-    for name, c in variants:
+    # ``off``: boolean options also measured switched off, beside each count (same-run A/B).
+    variants = [("base", None, {}), ("compute", None, {})] + [
+        (f"{sites} {c}" + "".join(f" {o}=False" for o in flip), c, {o: False for o in flip})
+        for c in counts for flip in ([], *([o] for o in off or []))]
+    for name, c, extra in variants:
         if name == "compute":
             be = harness.compute_alone("eager")
         elif c is None:
             be = Backend(Options(inner="eager", strategy="none", schedule=False))
         else:
             be = Backend(Options(inner="eager", strategy="decompose", chunks="auto", hardware=profile,
-                                 overrides={} if c == "auto" else {sites: {"chunks": int(c)}}))
+                                 overrides={} if c == "auto" else {sites: {"chunks": int(c)}}, **extra))
         torch.manual_seed(0)
         model, inputs = harness._build({"builder": builder})(mesh, **kw)
         step = harness._step_fn(torch.compile(model, backend=be), model, inputs, mode)
@@ -74,6 +78,8 @@ def main(argv=None):
     p.add_argument("--chunks", nargs="+", default=["auto", "2", "4"])
     p.add_argument("--sites", default=None, help="the sites held at each count (a site-name glob; default: "
                    "the Ulysses backward's, every MoE site)")
+    p.add_argument("--off", nargs="*", default=[], metavar="OPTION",
+                   help="boolean options (e.g. addmm_partials) also measured set to False beside each count")
     p.add_argument("--save", metavar="FILE", help="write the profile, times and every site's prediction as JSON")
     p.add_argument("--iters", type=int, default=11)
     args = p.parse_args(argv)
@@ -83,7 +89,8 @@ def main(argv=None):
             path, prof = harness._calibrated_profile(world, args.world, args.rate)
             try:
                 sites = args.sites or MODELS[args.model][2]
-                t, chunks, saved, preds = world.run(ab_job, args.model, args.mode, path, sites, args.chunks, args.iters)[0]
+                t, chunks, saved, preds = world.run(ab_job, args.model, args.mode, path, sites, args.chunks, args.iters,
+                                                      args.off)[0]
             finally:
                 os.unlink(path)
     if args.save:
@@ -93,11 +100,11 @@ def main(argv=None):
           f"concurrent_excess {prof.get('concurrent_excess')}, "
           f"comm_loss {prof.get('comm_loss')}")
     for k, v in t.items():
-        print(f"  {k:16s} {v:8.1f} ms  speedup {t['base'] / v:.2f}x  saves {t['base'] - v:6.1f} ms, predicted "
+        print(f"  {k:28s} {v:8.1f} ms  speedup {t['base'] / v:.2f}x  saves {t['base'] - v:6.1f} ms, predicted "
               f"{saved[k]:6.1f} ms  chunks {chunks[k]}")
         rw = [p for p in preds[k].values() if p["status"] == "rewritten" and "base_ms" in p]
         if rw:  # the model's view of what it rewrote, unrewritten (regions counted once)
-            print(f"  {'':16s} model of the rewritten sites unchunked: {sum(p['base_ms'] for p in rw):.1f} ms "
+            print(f"  {'':28s} model of the rewritten sites unchunked: {sum(p['base_ms'] for p in rw):.1f} ms "
                   f"(comm {sum(p['comm_ms'] for p in rw):.1f}, GEMMs {sum(p['gemm_ms'] for p in rw):.1f})")
 
 

@@ -35,6 +35,9 @@ class Options:
     collectives hide under another's compute (attention too); 1: off. See passes/microbatch.py."""
     schedule: bool = True
     """Reorder the graph so collectives are issued as early, and waited on as late, as dependencies allow."""
+    addmm_partials: bool = True
+    """Sum the per-chunk partial products a rewrite builds with addmm chains (the GEMM adds into the running
+    sum) instead of mm then add: one pass fewer over the output per chunk. See passes/accumulate.py."""
     overrides: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Per-site options: {site-name glob: {"strategy": ..., "chunks": ...}}; the first matching glob wins."""
     hardware: str | None = None
@@ -53,8 +56,9 @@ class Options:
             raise OverlapError(f"option 'min_bytes' must be an int >= 0; got {self.min_bytes!r}")
         if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise OverlapError(f"option 'microbatches' must be an int >= 1 (1: off); got {self.microbatches!r}")
-        if not isinstance(self.schedule, bool):
-            raise OverlapError(f"option 'schedule' must be True or False; got {self.schedule!r}")
+        for name in ("schedule", "addmm_partials"):
+            if not isinstance(getattr(self, name), bool):
+                raise OverlapError(f"option {name!r} must be True or False; got {getattr(self, name)!r}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
             raise OverlapError(f"option 'timeout' must be a number of seconds > 0; got {self.timeout!r}")
         if self.hardware is not None and not isinstance(self.hardware, str):

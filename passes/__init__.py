@@ -10,6 +10,7 @@ from torch.fx import GraphModule
 from overlapc.options import Options
 from overlapc.report import Site
 
+from .accumulate import fold_partial_sums
 from .deps import DepGraph
 from .lower import lower_sites
 from .match import find_sites
@@ -38,6 +39,8 @@ def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None) -
     rewritten = lower_sites(gm.graph, sites)
     if rewritten:
         legalize(gm.graph)
+    if (rewritten or sliced) and options.addmm_partials:
+        fold_partial_sums(gm.graph)
     reordered = options.schedule and schedule(gm.graph)
     # Tells the inductor inner compiler to keep this order through its own scheduler.
     gm.meta["overlapc_changed"] = bool(rewritten or reordered or sliced)

@@ -163,6 +163,31 @@ def test_ulysses_one_region_per_graph(fake_mesh8):
         assert all(s.status == "rewritten" and s.details["chained_from"] == first.name for s in rest)
 
 
+@pytest.mark.parametrize("on", [True, False])
+def test_partial_sums_become_addmm_chains(fake_mesh8, on):
+    """Ulysses backward chunked over heads: each q/k/v input gradient is a sum of per-head-
+    chunk partial GEMMs. With addmm_partials (the default) every partial after the first is
+    an addmm into the running sum, at its mm's place (each addmm before the next chunk's
+    all-to-all wait that its mm followed); off: mm then add, as the rewrite built them."""
+    from overlapc.models import ulysses
+    from overlapc.passes import ops
+    model, inputs = ulysses.build_ulysses(fake_mesh8, batch=2, seq=64, dim=256, n_heads=32)
+    _, graphs = capture(model, *inputs, options={"strategy": "decompose", "chunks": 4, "addmm_partials": on})
+    (bw,) = [g for kind, g in graphs if kind == "backward"]
+    nodes = list(bw.graph.nodes)
+    adds = [n for n in nodes if n.target is ops.ADD and n.meta.get("overlapc")]
+    addmms = [n for n in nodes if n.target is ops.aten.addmm.default]
+    if not on:
+        assert len(adds) >= 9 and not addmms, (len(adds), len(addmms))  # 3 projections x 3 partial adds
+        return
+    assert not adds and len(addmms) >= 9, (len(adds), len(addmms))
+    # The partial of the last head chunk cannot start before that chunk's all-to-all has
+    # arrived; the earlier ones do not wait for the last all-to-all.
+    pos = {n: i for i, n in enumerate(nodes)}
+    last_wait = max(pos[n] for n in nodes if n.target is ops.WAIT)
+    assert sum(pos[n] < last_wait for n in addmms) >= 6, [pos[n] for n in addmms]
+
+
 def test_failed_region_replay_leaves_graph_unchanged(fake_mesh8, monkeypatch):
     """If building the chunks fails midway (an op refusing its chunk shapes), the nodes
     built so far are removed and the site is skipped with the error: never half-rewritten."""
