@@ -17,6 +17,10 @@ column-parallel weight) it checks:
   flags up, so the consumer reduces ``world`` partials. Numerics against the sum of
   partial GEMMs; TFLOP/s of the producer GEMM against torch.mm of the same shape.
 
+First, the symmetric-memory workspace itself on a group of one rank (``workspace_check``:
+torch's symmetric memory on a GPU): host-raised flags must reach a spinning consumer grid,
+and the watchdog's abort must end one that waits forever.
+
 Block sizes: every candidate of ``overlapc.kernels.gemm.configs`` is timed per shape and
 the best kept (autotuning, keyed on M, N, K). Prints a table and writes JSON to
 ``--out`` (default: gpu_check.json).
@@ -180,6 +184,90 @@ def gemm_rs(M, K, N, world, dtype, dev, reps):
                 config=cfg)
 
 
+def workspace_check(dev, timeout: float = 20.0) -> dict:
+    """overlapc's symmetric-memory workspace (overlapc/runtime/symm.py) on a group of one rank
+    (nccl and torch's symmetric memory on a GPU; gloo and POSIX shm on the CPU): (1) a
+    consumer grid waits on flags that a host thread raises with ``SymmetricMemory.store``
+    from the copy stream (pinned-memory copies: they must land while the spinning tiles
+    hold the SMs); (2) a consumer waits on a flag nobody raises, and the call's watchdog
+    (``fused._Watchdog``, the abort word via the abort stream) must end it. A kernel that
+    never returns is reported and the process exits, instead of hanging the session."""
+    import os
+    import threading
+
+    import torch.distributed as dist
+
+    from overlapc.kernels import INTERPRET
+    from overlapc.kernels.gemm import ag_gemm_consumer, configs
+    from overlapc.runtime import fused, symm
+
+    cuda = dev.type == "cuda"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                **({"device_id": dev} if cuda else {}))
+    group = dist.group.WORLD
+    dtype = torch.bfloat16
+    M, K, N, chunks = (16384, 1024, 1024, 64) if cuda else (64, 32, 32, 4)
+    t0 = time.perf_counter()
+    ws = symm.workspace(group, M * K * 2, chunks, dev, timeout)
+    t_rdv = time.perf_counter() - t0
+    a = ws.view(0, (M, K), dtype)
+    a.copy_(torch.randn(M, K, dtype=dtype, device=dev))
+    b = torch.randn(K, N, dtype=dtype, device=dev) / K ** 0.5
+    out = torch.empty(M, N, dtype=dtype, device=dev)
+    cfg = dict(configs(M, N, K)[-1])
+    tiles = -(-M // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"])
+
+    def consume(epoch):
+        ag_gemm_consumer[(tiles,)](a, b, out, ws.flags(), ws.abort_word(), M, N, K, 1, 0, chunks, M // chunks,
+                                   1, epoch, b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+                                   UPCAST=INTERPRET, PRECISION="tf32", **cfg)
+
+    def finished(what: str) -> float:
+        """Seconds until the device is idle; exits the process if it never gets there."""
+        t = time.perf_counter()
+        if cuda:
+            waiter = threading.Thread(target=torch.cuda.synchronize, daemon=True)
+            waiter.start()
+            waiter.join(timeout + 10)
+            if waiter.is_alive():
+                print(f"FAIL workspace: {what}: the kernel did not return in {timeout + 10:.0f} s", flush=True)
+                os._exit(2)
+        return time.perf_counter() - t
+
+    res = dict(backend="torch symmetric memory" if cuda else "POSIX shm", rendezvous_s=round(t_rdv, 3))
+    # (1) flags raised from the host while the grid spins
+    epoch = ws.next_epoch()
+    dog = fused._Watchdog(ws, timeout)
+
+    def raise_flags():
+        time.sleep(0.2)
+        with ws.on("copy"):
+            for f in range(chunks):
+                ws.store(ws.flags()[f:f + 1], epoch)
+
+    t = time.perf_counter()
+    threading.Thread(target=raise_flags, daemon=True).start()
+    consume(epoch)
+    finished("consumer waiting on host-raised flags")
+    dog.stop()
+    res["flags_landed_s"] = round(time.perf_counter() - t, 3)
+    res["flags_ok"] = not dog.fired and not int(ws.abort_word()[0])
+    res["max_err"] = (out.float() - (a.float() @ b.float())).abs().max().item()
+    # (2) nobody raises the flags: the watchdog's abort must end the grid
+    epoch = ws.next_epoch()
+    dog = fused._Watchdog(ws, 1.0)
+    t = time.perf_counter()
+    consume(epoch)
+    finished("consumer waiting for the watchdog's abort")
+    dog.stop()
+    res["abort_after_s"] = round(time.perf_counter() - t, 3)
+    res["abort_ok"] = dog.fired and bool(int(ws.abort_word()[0]))
+    symm.release_all()
+    dist.destroy_process_group()
+    return res
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes (runs under the interpreter on a CPU)")
@@ -196,6 +284,8 @@ def main(argv=None):
         args.reps = 1
     else:  # (M, K, N): Llama-style column-parallel (N = 8192/8, 28672/8) and row-parallel shapes
         shapes = [(8192, 8192, 1024), (8192, 8192, 3584), (16384, 8192, 1024), (8192, 3584, 8192)]
+    wcheck = workspace_check(dev)
+    print(f"workspace ({wcheck['backend']}): {wcheck}", flush=True)
     rows = []
     t0 = time.time()
     for M, K, N in shapes:
@@ -211,10 +301,12 @@ def main(argv=None):
         print(f"{r['kernel']:8} {r['M']:6} {r['K']:6} {r['N']:6} {r['tflops_fused']:10.1f} {r['tflops_mm']:8.1f} "
               f"{r['ratio']:8.2f} {wp:>9} {r['max_err']:8.3g}")
     with open(args.out, "w") as f:
-        json.dump(dict(device=str(dev), torch=torch.__version__, rows=rows), f, indent=1)
+        json.dump(dict(device=str(dev), torch=torch.__version__, workspace=wcheck, rows=rows), f, indent=1)
     bad = [r for r in rows if r["max_err"] > 0.02 * max(1.0, r["ref_scale"])]
     if bad:
         raise SystemExit(f"numerics: {len(bad)} kernel(s) off the reference by more than 2% of its scale")
+    if not (wcheck["flags_ok"] and wcheck["abort_ok"] and wcheck["max_err"] < 0.05):
+        raise SystemExit(f"workspace check failed: {wcheck}")
 
 
 if __name__ == "__main__":
