@@ -205,17 +205,14 @@ class SymmetricMemory:
 
     def fail(self, op: str, what: str) -> None:
         """Abort the call on every rank (peers stop waiting at once) and raise."""
-        self.abort_all()
+        for p in range(self.world):
+            self.abort(p)
         raise OverlapError(f"{op}: timed out on rank {self.rank} of group {_group_name(self.group)!r}: {what}")
 
     def abort(self, peer: int | None = None) -> None:
         """Raise the abort word of ``peer`` (default: this rank), on the abort stream."""
         with self.on("abort"):
             self.store(self.abort_word(peer), 1)
-
-    def abort_all(self) -> None:
-        for p in range(self.world):
-            self.abort(p)
 
     def close(self) -> None:
         self._keep.clear()
