@@ -36,17 +36,9 @@ import torch
 
 def _bench(fn, reps: int) -> float:
     """Median seconds of ``fn`` (device-synchronised)."""
+    from overlapc.calibrate import _median
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t)
-    times.sort()
-    return times[len(times) // 2]
+    return _median(lambda: (fn(), sync()), reps)
 
 
 def ag_gemm(M_L, K, N, world, dtype, dev, reps, chunks=4):

@@ -164,17 +164,8 @@ def _autotune(kind: str, cands: list[dict], M: int, N: int, K: int, dtype, devic
                                        UPCAST=INTERPRET, PRECISION=_precision(dtype), OUT_DTYPE=tl_dtype(dtype),
                                        **cfg)
 
-    times = []
-    for cfg, n in zip(cands, tiles):
-        launch(cfg, n)  # compile, warm
-        sync()
-        reps = []
-        for _ in range(3):
-            t = time.perf_counter()
-            launch(cfg, n)
-            sync()
-            reps.append(time.perf_counter() - t)
-        times.append(sorted(reps)[1])
+    from overlapc.calibrate import _median
+    times = [_median(lambda c=cfg, n=n: (launch(c, n), sync()), 3) for cfg, n in zip(cands, tiles)]
     if kind == "rs" and world > 1:
         t = funcol.all_reduce(torch.tensor(times, dtype=torch.float64, device=device), "sum", group)
         times = (funcol.wait_tensor(t) if isinstance(t, funcol.AsyncCollectiveTensor) else t).tolist()
