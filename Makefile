@@ -20,7 +20,7 @@ test: setup
 
 # Needs root (network namespaces, tc). Writes benchmarks/results/ and BENCHMARKS.md.
 bench: setup
-	$(PY) -m benchmarks.bench_tp --default-cmd --variant microbatches microbatches=2 strategy=none $(BENCH_ARGS)
+	$(PY) -m benchmarks.bench_tp --default-cmd --variant rows microbatches=1 strategy=decompose --variant microbatches microbatches=2 strategy=none $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -162,6 +162,9 @@ def predicted_saving(report) -> float:
         p = s.details.get("predicted")
         if s.status != "rewritten" or not p:
             continue
+        if s.pattern == "microbatch":  # slices microbatches="auto" chose: their region's pipeline
+            saving += (p["base_ms"] - p["sliced_ms"]) / 1e3
+            continue
         planned = p.get("fused_ms") if s.strategy == "fuse" else p["by_chunks_ms"].get(str(s.chunks))
         if planned is not None:
             saving += (p["base_ms"] - planned) / 1e3

@@ -30,9 +30,10 @@ class Options:
     """Pieces each collective is split into: "auto" or an int >= 2."""
     min_bytes: int = 0
     """Sites whose collective moves fewer bytes per rank than this are left alone."""
-    microbatches: int = 1
+    microbatches: int | str = "auto"
     """Cut the batch (dim 0 of the activations) into this many slices that interleave, so one slice's
-    collectives hide under another's compute (attention too); 1: off. See passes/microbatch.py."""
+    collectives hide under another's compute (attention too); 1: off; "auto": where the cost model predicts
+    slices save more than row-chunked sites would. See passes/microbatch.py."""
     schedule: bool = True
     """Reorder the graph so collectives are issued as early, and waited on as late, as dependencies allow."""
     addmm_partials: bool = True
@@ -54,8 +55,10 @@ class Options:
         _check_chunks("chunks", self.chunks)
         if isinstance(self.min_bytes, bool) or not isinstance(self.min_bytes, int) or self.min_bytes < 0:
             raise OverlapError(f"option 'min_bytes' must be an int >= 0; got {self.min_bytes!r}")
-        if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
-            raise OverlapError(f"option 'microbatches' must be an int >= 1 (1: off); got {self.microbatches!r}")
+        if self.microbatches != "auto" and (isinstance(self.microbatches, bool) or not isinstance(
+                self.microbatches, int) or self.microbatches < 1):
+            raise OverlapError(f"option 'microbatches' must be an int >= 1 (1: off) or \"auto\"; "
+                               f"got {self.microbatches!r}")
         for name in ("schedule", "addmm_partials"):
             if not isinstance(getattr(self, name), bool):
                 raise OverlapError(f"option {name!r} must be True or False; got {getattr(self, name)!r}")

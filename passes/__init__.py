@@ -14,7 +14,7 @@ from .accumulate import fold_partial_sums
 from .deps import DepGraph
 from .lower import lower_sites
 from .match import find_sites
-from .microbatch import report_rows, split_microbatches
+from .microbatch import SLICED, choose_slices, report_rows, split_microbatches
 from .normalize import normalize
 from .plan import plan_sites
 from .schedule import legalize, schedule
@@ -24,9 +24,10 @@ def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None) -
     """Run the pipeline on one captured graph in place; return its report rows in graph order."""
     options = options or Options()
     normalize(gm)
-    cuts = []
-    if options.microbatches > 1:
-        cuts = report_rows(split_microbatches(gm.graph, options.microbatches), graph_kind, options.microbatches)
+    slices, view = options.microbatches, None
+    if slices == "auto":
+        slices, view = choose_slices(gm.graph, graph_kind, options)
+    cuts = report_rows(split_microbatches(gm.graph, slices), graph_kind, slices, view) if slices > 1 else []
     sliced = any(r.status == "rewritten" for r in cuts)
     if sliced:
         legalize(gm.graph)
@@ -35,7 +36,16 @@ def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None) -
     order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
     for s in sites:
         s.snapshot()
-    plan_sites(sites, options, deps)
+    # Slices the planner chose are priced alone: the sites inside them stay whole.
+    held = [s for s in sites if view and sliced and s.coll.meta.get(SLICED)]
+    plan_sites([s for s in sites if s not in held], options, deps)
+    for s in held:
+        s.status, s.strategy, s.chunks = "skipped", None, None
+        s.reason = ("inside the micro-batch slices microbatches='auto' chose (priced as slices alone; "
+                    "set microbatches to a number to chunk the sites inside them too)")
+    for s in sites:  # slices declined: why, on the sites they would have taken in
+        if view and "reason" in view and s.coll.name in view["collectives"]:
+            s.details["microbatches"] = view["reason"]
     rewritten = lower_sites(gm.graph, sites)
     if rewritten:
         legalize(gm.graph)

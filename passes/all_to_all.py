@@ -277,9 +277,10 @@ def region_stages(region: ax.Region):
     made contiguous) and the bytes of the partial sums it adds per extra chunk; or None
     where a size is not a number.
 
-    A node's level is the number of all-to-alls between the region's start and it: GEMMs
-    (and fused attention) at level L form compute stage 2L, the all-to-alls they feed comm
-    stage 2L + 1; sums deferred to run whole (:func:`overlapc.passes.axis._deferrable`) are
+    A node's level is the number of collectives between the region's start and it: GEMMs
+    (and fused attention) at level L form compute stage 2L, the collectives they feed comm
+    stage 2L + 1 (all-to-alls here; all-gathers and reduce-scatters too in a micro-batch
+    region, passes/microbatch.py: a comm stage holds one kind); sums deferred to run whole (:func:`overlapc.passes.axis._deferrable`) are
     the ``after`` of their level's compute stage. A compute stage's rows are the equivalent
     rows of its GEMMs (:class:`_Gemms`), cut by the chunks
     when the region's axis runs along them (MoE capacity slots) and whole per chunk when it
@@ -290,7 +291,7 @@ def region_stages(region: ax.Region):
     level = region.levels()
     gemms: dict[int, _Gemms] = {}  # compute stage -> its GEMMs
     after: dict[int, _Gemms] = {}  # compute stage -> its deferred sums
-    comm: dict[int, list] = {}  # comm stage -> [bytes, collectives]
+    comm: dict[int, list] = {}  # comm stage -> [bytes, collectives, kind]
     dtype = None
     copy_bytes = add_bytes = 0
     for node in region.deferred:
@@ -301,7 +302,7 @@ def region_stages(region: ax.Region):
             after.setdefault(2 * level[node], _Gemms()).add(f, m, False)
     for st in region.steps:
         node = st.node
-        if node.target is ops.ALL_TO_ALL:
+        if node.target in ops.COST_KIND:
             x = ops.val(node.args[0])
             nb = ops.hint(x.numel()) if x is not None else None
             if nb is None:
@@ -310,7 +311,9 @@ def region_stages(region: ax.Region):
             shape = ax.static_shape(node.args[0])
             if a is not None and shape is not None and math.prod(shape[:a.dim]) * a.outer(shape) > 1:
                 copy_bytes += nb * x.element_size()
-            acc = comm.setdefault(2 * (level[node] - 1) + 1, [0, 0])
+            acc = comm.setdefault(2 * (level[node] - 1) + 1, [0, 0, ops.COST_KIND[node.target]])
+            if acc[2] != ops.COST_KIND[node.target]:
+                return None  # two kinds at one level: not a pipeline of stages
             acc[0] += nb * x.element_size()
             acc[1] += 1
             continue
@@ -335,10 +338,10 @@ def region_stages(region: ax.Region):
     for s in sorted(set(gemms) | set(after) | set(comm)):
         lane = "comm" if s % 2 else "compute"
         cur = list(comm[s]) if lane == "comm" else [gemms.get(s) or _Gemms(), after.get(s) or _Gemms()]
-        if merged and merged[-1][0] == lane:
+        if merged and merged[-1][0] == lane and (lane == "compute" or merged[-1][1][2] == cur[2]):
             prev = merged.pop()[1]
             if lane == "comm":
-                cur = [cur[0] + prev[0], cur[1] + prev[1]]
+                cur = [cur[0] + prev[0], cur[1] + prev[1], cur[2]]
             else:
                 cur[0].merge(prev[0])
                 cur[1].merge(prev[1])
@@ -346,7 +349,7 @@ def region_stages(region: ax.Region):
     stages: list = []
     for lane, cur in merged:
         if lane == "comm":
-            stages.append(cost.Stage("comm", "all_to_all", cur[0], cur[1]))
+            stages.append(cost.Stage("comm", cur[2], cur[0], cur[1]))  # kinds differ: one after the other
             continue
         g, late = cur
         rows, chunked = g.rows()

@@ -29,6 +29,9 @@ from .build import Builder, chunk_sizes
 from .lower import _erased
 
 KINDS = (ops.ALL_GATHER, ops.REDUCE_SCATTER)
+SLICED = "overlapc_microbatch"
+"""meta key of a collective one slice of a micro-batch region issues."""
+MAX_AUTO_SLICES = 4
 
 
 def start_axis(coll: Node) -> ax.Axis | None:
@@ -41,38 +44,125 @@ def start_axis(coll: Node) -> ax.Axis | None:
     return ax.Axis(0, shape[0], 1)
 
 
-def split_microbatches(graph: Graph, n: int) -> list[dict]:
-    """Cut the graph's batch into ``n`` slices (fewer where the batch is smaller), region by
-    region; returns one description per region cut, or whose cut failed (for the report)."""
-    done: list[dict] = []
-    created: set[Node] = set()
-    skipped: set[Node] = set()
+def _next_region(graph: Graph, passed: set[Node]):
+    """The region of the first collective not in ``passed`` that starts one: (collective, its
+    batch axis, region), or None. Collectives that start none are added to ``passed``."""
     while True:
-        coll = next((c for c in graph.nodes if c.target in KINDS and c not in created and c not in skipped
+        coll = next((c for c in graph.nodes if c.target in KINDS and c not in passed
                      and ops.wait_of(c) is not None), None)
         if coll is None:
-            return done
+            return None
         a = start_axis(coll)
         region = ax.grow(ops.wait_of(coll), a, kinds=KINDS) if a is not None else None
-        if region is None or not region.matmuls:
-            skipped.add(coll)
-            continue
+        if region is not None and region.matmuls:
+            return coll, a, region
+        passed.add(coll)
+
+
+def split_microbatches(graph: Graph, n: int) -> list[dict]:
+    """Cut the graph's batch into ``n`` slices (fewer where the batch is smaller), region by
+    region; returns one description per region cut, or whose cut failed (for the report).
+    The slices' collectives are marked (``meta[SLICED]``)."""
+    done: list[dict] = []
+    passed: set[Node] = set()
+    while True:
+        found = _next_region(graph, passed)
+        if found is None:
+            return done
+        coll, a, region = found
         info = {"collective": coll.name, "collective_op": ops.collective_name(coll), "module": ops.module_path(coll),
                 "group": ops.group_name(coll), "world_size": ops.world_size(coll), "batch": a.extent,
                 "slices": min(n, a.extent), "collectives": [c.name for c in region.collectives],
                 "matmuls": [m.name for m in region.matmuls], "rebuilt_whole": len(region.whole),
                 "sums_after_slices": len(region.deferred)}
         try:
-            created |= _rewrite(graph, coll, region, info["slices"])
+            created = _rewrite(graph, coll, region, info["slices"])
+            passed |= created
+            for x in created:
+                if x.target in KINDS:
+                    x.meta[SLICED] = True
         except Exception as e:  # an op refused its slice shapes: that region stays as it was
-            skipped.add(coll)
+            passed.add(coll)
             info["failed"] = f"the sliced replay failed ({type(e).__name__}: {str(e)[:200]}); left unchanged"
         done.append(info)
 
 
-def report_rows(cuts: list[dict], graph_kind: str, n: int) -> list:
+def choose_slices(graph: Graph, graph_kind: str, options) -> tuple[int, dict | None]:
+    """``microbatches="auto"``: the number of slices to cut (1: none), and the cost model's
+    view of the choice (None where the graph has no region to cut).
+
+    Each region the cut would make (found without changing the graph) is priced as a
+    pipeline of its stages (passes/all_to_all.region_stages: GEMMs and attention by level,
+    each level's all-gathers or reduce-scatters), n = 2 .. ``MAX_AUTO_SLICES`` slices (at most
+    the batch), and compared with what the row-chunked sites whose collectives lie in those
+    regions are predicted to save (as planned: each at its best count, left out where
+    strategy "auto" would leave them). Slices win when they save more, and at least the
+    profile's ``min_gain`` of the regions' time. Only under strategies "auto" and
+    "decompose" ("none" changes nothing; "fuse" runs the fused ops). A pure function of
+    shapes, options and profile, like every plan."""
+    from . import cost, lower
+    from .all_to_all import region_stages
+    from .deps import DepGraph
+    from .match import find_sites
+    from .plan import MODELLED, pick_count, predict_site
+
+    if options.strategy not in ("auto", "decompose"):  # "none": report only; "fuse": the fused ops
+        return 1, None
+    regions, passed = [], set()
+    while (found := _next_region(graph, passed)) is not None:
+        regions.append(found)
+        passed |= set(found[2].collectives)
+    if not regions:
+        return 1, None
+    in_regions = {c for _, _, r in regions for c in r.collectives}
+    names = sorted(c.name for c in in_regions)
+    profile = cost.load_profile(options.hardware)
+    preds = []
+    for coll, a, region in regions:
+        got = region_stages(region)
+        world = ops.world_size(coll)
+        if got is None or not world:
+            return 1, {"collectives": names, "reason": f"microbatches='auto': the region of {coll.name} has sizes "
+                       "the cost model cannot price (set microbatches to a number to cut it)"}
+        stages, copy_bytes, add_bytes, dtype = got
+        preds.append(cost.predict_stages(stages, world, dtype, profile, a.extent, copy_bytes, add_bytes))
+    counts = set.intersection(*(set(p.per_chunks) for p in preds)) & set(range(2, MAX_AUTO_SLICES + 1))
+    base = sum(p.base for p in preds)
+    n = pick_count({c: sum(p.per_chunks[c] for p in preds) for c in counts})
+    sliced = sum(p.per_chunks[n] for p in preds)
+    rows_saving = 0.0
+    deps = DepGraph(graph)
+    sites, _ = find_sites(graph, graph_kind, deps)
+    for site in sites:
+        strategy, chunks = (options.for_site(site.name)[k] for k in ("strategy", "chunks"))
+        rule = lower.RULES.get(type(site))
+        if site.coll not in in_regions or site.pattern not in MODELLED or strategy == "none" or rule is None:
+            continue
+        nbytes = site.comm_bytes()
+        if (options.min_bytes and nbytes is not None and nbytes < options.min_bytes) or rule.can_rewrite(site, deps):
+            continue
+        rows = ops.hint(rule.extent(site))
+        pred = predict_site(site, profile, rows) if rows else None
+        if pred is not None and not (strategy == "auto" and pred.gain < profile.min_gain):
+            rows_saving += pred.base - (pred.best if chunks == "auto" else pred.per_chunks.get(min(chunks, rows),
+                                                                                               pred.best))
+    view = {"profile": profile.name, "slices": n, "regions": len(regions), "base_ms": round(base * 1e3, 4),
+            "sliced_ms": round(sliced * 1e3, 4), "row_chunks_saving_ms": round(rows_saving * 1e3, 4),
+            "collectives": names}
+    saving = base - sliced
+    if saving > rows_saving and base and saving / base >= profile.min_gain:
+        return n, view
+    view["reason"] = (f"microbatches='auto': {n} slices predicted to save {cost.ms(saving)} of "
+                      f"{cost.ms(base)} ({len(regions)} region(s)), row-chunked sites {cost.ms(rows_saving)}; "
+                      f"not cut (slices must save more, and at least {profile.min_gain:.0%}, profile "
+                      f"{profile.name!r})")
+    return 1, view
+
+
+def report_rows(cuts: list[dict], graph_kind: str, n: int, view: dict | None = None) -> list:
     """Report rows (pattern "microbatch"): one per region cut (or whose cut failed, with
-    why), or one skipped row saying why nothing could be cut."""
+    why), or one skipped row saying why nothing could be cut. ``view``: :func:`choose_slices`'
+    prediction (of all regions together), kept in the first row's details."""
     from overlapc.report import Site
 
     if not cuts:
@@ -89,7 +179,7 @@ def report_rows(cuts: list[dict], graph_kind: str, n: int) -> list:
             world_size=c["world_size"], collective=c["collective"], collective_op=c["collective_op"],
             module=c["module"], matmuls=c["matmuls"], dim=0,
             details={"batch": c["batch"], "collectives": c["collectives"], "rebuilt_whole": c["rebuilt_whole"],
-                     "sums_after_slices": c["sums_after_slices"]}))
+                     "sums_after_slices": c["sums_after_slices"], **({"predicted": view} if view and i == 0 else {})}))
     return rows
 
 

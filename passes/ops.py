@@ -24,6 +24,9 @@ MATCHED_COLLECTIVES = {
     ALL_REDUCE: "all_reduce",
     ALL_TO_ALL: "all_to_all_single",
 }
+COST_KIND = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce",
+             ALL_TO_ALL: "all_to_all"}
+"""The collective kinds of the cost model (passes/cost.t_comm)."""
 
 # matmul op -> (lhs arg index, rhs arg index)
 MATMULS = {

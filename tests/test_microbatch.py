@@ -14,11 +14,15 @@ Tolerances:
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 
 SMALL = dict(n_layers=1, dim=64, n_heads=4, ffn_dim=128, vocab_size=64, seq=16)
+SLOW_LINK = str(Path(__file__).parent / "data" / "slow-link.json")
+"""A made-up profile under which SMALL's communication and compute are of one order (see its "source")."""
 
 
 def _run(model, tokens, seed, fn=None):
@@ -60,7 +64,8 @@ def microbatch_job(config: dict) -> dict:
                                        msg=lambda m: f"rank {dist.get_rank()} {k}: {m}")
     cuts = sorted((s.graph, s.status, s.chunks, len(s.details.get("collectives", [])))
                   for s in be.report.sites if s.pattern == "microbatch")
-    sites = sorted({(s.pattern, s.status) for s in be.report.sites if s.pattern not in ("microbatch", "collective")})
+    sites = sorted({(s.graph, s.pattern, s.status) for s in be.report.sites
+                    if s.pattern not in ("microbatch", "collective")})
     return {"cuts": cuts, "sites": sites, "errs": errs}
 
 
@@ -73,6 +78,8 @@ CASES = {
     "uneven": dict(batch=3, dtype="float32", options=dict(microbatches=2, strategy="none")),
     "bf16": dict(batch=2, dtype="bfloat16", options=dict(microbatches=2, strategy="decompose", chunks=2)),
     "inductor": dict(batch=2, dtype="float32", options=dict(microbatches=2, strategy="none", inner="inductor")),
+    # the planner's choice: under SLOW_LINK at world 2, row chunks in the forward, slices in the backward
+    "auto": dict(batch=2, dtype="float32", options=dict(microbatches="auto", hardware=SLOW_LINK)),
 }
 
 
@@ -84,7 +91,7 @@ def _check(results, config):
         for graph, status, chunks, colls in r["cuts"]:
             assert status == "rewritten" and chunks == slices and colls >= 4, r["cuts"]
         if config["options"]["strategy"] == "decompose":
-            assert r["sites"] and all(st == "rewritten" for _, st in r["sites"]), r["sites"]
+            assert r["sites"] and all(st == "rewritten" for *_, st in r["sites"]), r["sites"]
         for k, (ovl, base, ulp) in r["errs"].items():
             assert ovl <= 2 * base + ulp, (k, ovl, base, ulp)
 
@@ -102,6 +109,15 @@ def test_microbatches_inductor_world2(world2):
 
 
 @pytest.mark.distributed
+def test_microbatches_auto_world2(world2):
+    """microbatches="auto" cuts the backward (slices predicted to save more there) and leaves
+    the forward to its row-chunked sites: both against eager, every rank."""
+    for r in world2.run(microbatch_job, CASES["auto"]):
+        assert [c[:3] for c in r["cuts"]] == [("backward", "rewritten", 2)], r["cuts"]
+        assert {(g, st) for g, _, st in r["sites"]} == {("forward", "rewritten"), ("backward", "skipped")}, r["sites"]
+
+
+@pytest.mark.distributed
 def test_microbatches_world4(world4):
     _check(world4.run(microbatch_job, CASES["slices-only"]), CASES["slices-only"])
 
@@ -111,8 +127,40 @@ def test_microbatches_option_is_checked():
     from overlapc.errors import OverlapError
 
     for bad in (0, -1, 1.5, True, "2"):
-        with pytest.raises(OverlapError, match="'microbatches' must be an int >= 1"):
+        with pytest.raises(OverlapError, match="'microbatches' must be an int >= 1 .1: off. or \"auto\""):
             Options(microbatches=bad)
+
+
+def test_microbatches_auto_follows_the_cost_model(fake_mesh8):
+    """World 8 (fake PG): where microbatches="auto" cuts a graph, the model predicted the
+    slices to save more than the row-chunked sites they take in, and those sites stay whole
+    (with why); where it declines, those sites say why; strategy "none" cuts nothing (the
+    baseline of every benchmark)."""
+    import overlapc
+    from overlapc.models import llama
+
+    kw = dict(SMALL, n_heads=8)
+
+    def explain(**options):
+        model, inputs = llama.build_tp_sp(fake_mesh8, batch=2, **kw)
+        return overlapc.explain(model, *inputs, options={"microbatches": "auto", **options})
+
+    cut = explain(hardware=SLOW_LINK)
+    rows = [s for s in cut.sites if s.pattern == "microbatch"]
+    assert {(s.graph, s.status, s.chunks) for s in rows} == {("forward", "rewritten", 2), ("backward", "rewritten", 2)}
+    for s in rows:
+        p = s.details["predicted"]
+        assert p["base_ms"] - p["sliced_ms"] > max(p["row_chunks_saving_ms"], 0.03 * p["base_ms"]), p
+    inside = [s for s in cut.sites if s.pattern not in ("microbatch", "collective")]
+    assert inside and all(s.status == "skipped" and "inside the micro-batch slices" in s.reason for s in inside)
+
+    declined = explain(hardware="cpu-default")  # latency-bound at these shapes: slices cost more
+    assert not [s for s in declined.sites if s.pattern == "microbatch"]
+    said = [s.details.get("microbatches", "") for s in declined.sites if s.pattern != "collective"]
+    assert said and all("not cut" in why for why in said), said
+
+    rep = explain(hardware=SLOW_LINK, strategy="none")
+    assert not [s for s in rep.sites if s.pattern == "microbatch" or "microbatches" in s.details], str(rep)
 
 
 def test_microbatches_report_skips_with_reason(fake_mesh8):
