@@ -280,8 +280,8 @@ def region_stages(region: ax.Region):
     A node's level is the number of collectives between the region's start and it: GEMMs
     (and fused attention) at level L form compute stage 2L, the collectives they feed comm
     stage 2L + 1 (all-to-alls here; all-gathers and reduce-scatters too in a micro-batch
-    region, passes/microbatch.py: a comm stage holds one kind); sums deferred to run whole (:func:`overlapc.passes.axis._deferrable`) are
-    the ``after`` of their level's compute stage. A compute stage's rows are the equivalent
+    region, passes/microbatch.py; one kind per level, else None); sums deferred to run whole
+    (:func:`overlapc.passes.axis._deferrable`) are the ``after`` of their level's compute stage. A compute stage's rows are the equivalent
     rows of its GEMMs (:class:`_Gemms`), cut by the chunks
     when the region's axis runs along them (MoE capacity slots) and whole per chunk when it
     does not (Ulysses heads). Elementwise ops are not modelled (memory-bound, small beside

@@ -122,8 +122,9 @@ def choose_slices(graph: Graph, graph_kind: str, options) -> tuple[int, dict | N
         got = region_stages(region)
         world = ops.world_size(coll)
         if got is None or not world:
-            return 1, {"collectives": names, "reason": f"microbatches='auto': the region of {coll.name} has sizes "
-                       "the cost model cannot price (set microbatches to a number to cut it)"}
+            return 1, {"collectives": names, "reason": f"microbatches='auto': not cut: the cost model cannot price "
+                       f"the region of {coll.name} (symbolic sizes, or collectives of two kinds at one level); "
+                       "set microbatches to a number to cut it"}
         stages, copy_bytes, add_bytes, dtype = got
         preds.append(cost.predict_stages(stages, world, dtype, profile, a.extent, copy_bytes, add_bytes))
     counts = set.intersection(*(set(p.per_chunks) for p in preds)) & set(range(2, MAX_AUTO_SLICES + 1))
