@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 
 import torch
@@ -31,7 +30,7 @@ MODELS = {  # builder, keyword arguments (the defaults of bench_ulysses / bench_
 }
 
 
-def ab_job(model_name: str, mode: str, profile: str, sites: str, counts: list, iters: int, off: list | None = None):
+def ab_job(profile: str, model_name: str, mode: str, sites: str, counts: list, iters: int, off: list | None = None):
     from torch.distributed.device_mesh import init_device_mesh
 
     from overlapc import Backend, Options
@@ -68,8 +67,6 @@ def ab_job(model_name: str, mode: str, profile: str, sites: str, counts: list, i
 
 
 def main(argv=None):
-    from benchmarks.cluster import EmulatedCluster
-
     p = argparse.ArgumentParser(prog="python -m benchmarks.ab_chunks")
     p.add_argument("--model", default="ulysses", choices=sorted(MODELS))
     p.add_argument("--world", type=int, default=2)
@@ -83,16 +80,9 @@ def main(argv=None):
     p.add_argument("--save", metavar="FILE", help="write the profile, times and every site's prediction as JSON")
     p.add_argument("--iters", type=int, default=11)
     args = p.parse_args(argv)
-    EmulatedCluster.cleanup_stale()
-    with EmulatedCluster(args.world, rate_mbit=args.rate) as cluster:
-        with cluster.world(timeout=1800) as world:
-            path, prof = harness._calibrated_profile(world, args.world, args.rate)
-            try:
-                sites = args.sites or MODELS[args.model][2]
-                t, chunks, saved, preds = world.run(ab_job, args.model, args.mode, path, sites, args.chunks, args.iters,
-                                                      args.off)[0]
-            finally:
-                os.unlink(path)
+    sites = args.sites or MODELS[args.model][2]
+    (t, chunks, saved, preds), prof = harness.run_calibrated(args.world, args.rate, ab_job, args.model, args.mode, sites,
+                                                             args.chunks, args.iters, args.off)
     if args.save:
         with open(args.save, "w") as f:
             json.dump({"args": vars(args), "profile": prof, "times_ms": t, "predicted": preds}, f, indent=1)

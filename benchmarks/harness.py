@@ -190,6 +190,22 @@ def _calibrated_profile(world, world_size: int, rate: float) -> tuple[str, dict]
     return path, prof
 
 
+def run_calibrated(world_size: int, rate: float, job, *args) -> tuple[object, dict]:
+    """``job(profile_path, *args)`` on every rank of an emulated cluster of ``world_size``
+    ranks at ``rate`` Mbit/s, under a profile calibrated inside it first: rank 0's result,
+    and the profile."""
+    from benchmarks.cluster import EmulatedCluster
+
+    EmulatedCluster.cleanup_stale()
+    with EmulatedCluster(world_size, rate_mbit=rate) as cluster:
+        with cluster.world(timeout=1800) as world:
+            path, prof = _calibrated_profile(world, world_size, rate)
+            try:
+                return world.run(job, path, *args)[0], prof
+            finally:
+                os.unlink(path)
+
+
 def _opts(rows, name: str) -> str:
     opts = next(r["variants"][name]["options"] for r in rows if name in r.get("variants", {}))
     return ", ".join(f"{k}={v}" for k, v in opts.items())

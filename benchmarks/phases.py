@@ -12,7 +12,6 @@ ms per phase. A measurement, not a test.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 
@@ -61,21 +60,12 @@ def phases_job(profile: str, iters: int) -> dict:
 
 
 def main(argv=None):
-    from benchmarks.cluster import EmulatedCluster
-
     p = argparse.ArgumentParser(prog="python -m benchmarks.phases")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--rate", type=float, default=532.0, help="link rate, Mbit/s")
     p.add_argument("--iters", type=int, default=9)
     args = p.parse_args(argv)
-    EmulatedCluster.cleanup_stale()
-    with EmulatedCluster(args.world, rate_mbit=args.rate) as cluster:
-        with cluster.world(timeout=1800) as world:
-            path, _ = harness._calibrated_profile(world, args.world, args.rate)
-            try:
-                times = world.run(phases_job, path, args.iters)[0]
-            finally:
-                os.unlink(path)
+    times, _ = harness.run_calibrated(args.world, args.rate, phases_job, args.iters)
     print(f"TP+SP training step, world {args.world}, {args.rate:g} Mbit/s, medians of {args.iters}")
     for n, (f, b) in times.items():
         print(f"  {n:11s} forward {f:8.1f} ms  backward {b:8.1f} ms  step {f + b:8.1f} ms")
