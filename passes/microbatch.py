@@ -100,18 +100,16 @@ def choose_slices(graph: Graph, graph_kind: str, options) -> tuple[int, dict | N
     profile's ``min_gain`` of the regions' time. Only under strategies "auto" and
     "decompose" ("none" changes nothing; "fuse" runs the fused ops). A pure function of
     shapes, options and profile, like every plan."""
-    from . import cost, lower
+    from . import cost
     from .all_to_all import region_stages
-    from .deps import DepGraph
-    from .match import find_sites
-    from .plan import MODELLED, pick_count, predict_site
+    from .plan import pick_count
 
     if options.strategy not in ("auto", "decompose"):  # "none": report only; "fuse": the fused ops
         return 1, None
     regions, passed = [], set()
     while (found := _next_region(graph, passed)) is not None:
         regions.append(found)
-        passed |= set(found[2].collectives)
+        passed |= {found[0], *found[2].collectives}
     if not regions:
         return 1, None
     in_regions = {c for _, _, r in regions for c in r.collectives}
@@ -131,22 +129,7 @@ def choose_slices(graph: Graph, graph_kind: str, options) -> tuple[int, dict | N
     base = sum(p.base for p in preds)
     n = pick_count({c: sum(p.per_chunks[c] for p in preds) for c in counts})
     sliced = sum(p.per_chunks[n] for p in preds)
-    rows_saving = 0.0
-    deps = DepGraph(graph)
-    sites, _ = find_sites(graph, graph_kind, deps)
-    for site in sites:
-        strategy, chunks = (options.for_site(site.name)[k] for k in ("strategy", "chunks"))
-        rule = lower.RULES.get(type(site))
-        if site.coll not in in_regions or site.pattern not in MODELLED or strategy == "none" or rule is None:
-            continue
-        nbytes = site.comm_bytes()
-        if (options.min_bytes and nbytes is not None and nbytes < options.min_bytes) or rule.can_rewrite(site, deps):
-            continue
-        rows = ops.hint(rule.extent(site))
-        pred = predict_site(site, profile, rows) if rows else None
-        if pred is not None and not (strategy == "auto" and pred.gain < profile.min_gain):
-            rows_saving += pred.base - (pred.best if chunks == "auto" else pred.per_chunks.get(min(chunks, rows),
-                                                                                               pred.best))
+    rows_saving = _row_chunk_saving(graph, graph_kind, options, profile, in_regions)
     view = {"profile": profile.name, "slices": n, "regions": len(regions), "base_ms": round(base * 1e3, 4),
             "sliced_ms": round(sliced * 1e3, 4), "row_chunks_saving_ms": round(rows_saving * 1e3, 4),
             "collectives": names}
@@ -158,6 +141,33 @@ def choose_slices(graph: Graph, graph_kind: str, options) -> tuple[int, dict | N
                       f"not cut (slices must save more, and at least {profile.min_gain:.0%}, profile "
                       f"{profile.name!r})")
     return 1, view
+
+
+def _row_chunk_saving(graph: Graph, graph_kind: str, options, profile, colls: set[Node]) -> float:
+    """Seconds the row-chunked sites of ``colls`` are predicted to save, as the planner would
+    plan them (passes/plan.py): each at its best count or the fixed one; none where strategy
+    "none", min_bytes or the rule leaves the site alone, or strategy "auto" finds its gain
+    below ``min_gain``."""
+    from . import lower
+    from .deps import DepGraph
+    from .match import find_sites
+    from .plan import MODELLED, predict_site
+
+    saving = 0.0
+    deps = DepGraph(graph)
+    for site in find_sites(graph, graph_kind, deps)[0]:
+        strategy, chunks = (options.for_site(site.name)[k] for k in ("strategy", "chunks"))
+        rule = lower.RULES.get(type(site))
+        if site.coll not in colls or site.pattern not in MODELLED or strategy == "none" or rule is None:
+            continue
+        nbytes = site.comm_bytes()
+        if (options.min_bytes and nbytes is not None and nbytes < options.min_bytes) or rule.can_rewrite(site, deps):
+            continue
+        rows = ops.hint(rule.extent(site))
+        pred = predict_site(site, profile, rows) if rows else None
+        if pred is not None and not (strategy == "auto" and pred.gain < profile.min_gain):
+            saving += pred.base - (pred.best if chunks == "auto" else pred.per_chunks.get(min(chunks, rows), pred.best))
+    return saving
 
 
 def report_rows(cuts: list[dict], graph_kind: str, n: int, view: dict | None = None) -> list:
