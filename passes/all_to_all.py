@@ -281,10 +281,10 @@ def region_stages(region: ax.Region):
     (and fused attention) at level L form compute stage 2L, the collectives they feed comm
     stage 2L + 1 (all-to-alls here; all-gathers and reduce-scatters too in a micro-batch
     region, passes/microbatch.py; one kind per level, else None); sums deferred to run whole
-    (:func:`overlapc.passes.axis._deferrable`) are the ``after`` of their level's compute stage. A compute stage's rows are the equivalent
-    rows of its GEMMs (:class:`_Gemms`), cut by the chunks
-    when the region's axis runs along them (MoE capacity slots) and whole per chunk when it
-    does not (Ulysses heads). Elementwise ops are not modelled (memory-bound, small beside
+    (:func:`overlapc.passes.axis._deferrable`) are the ``after`` of their level's compute
+    stage. A compute stage's rows are the equivalent rows of its GEMMs (:class:`_Gemms`),
+    cut by the chunks when the region's axis runs along them (MoE capacity slots) and whole
+    per chunk when it does not (Ulysses heads). Elementwise ops are not modelled (memory-bound, small beside
     the GEMMs)."""
     from . import cost
 
@@ -334,10 +334,12 @@ def region_stages(region: ax.Region):
         if v is None or ops.hint(v.numel()) is None:
             return None
         copy_bytes += ops.hint(v.numel()) * v.element_size()
-    merged: list[tuple] = []  # (lane, amounts); an empty stage between two of one lane merges them
+    merged: list[tuple] = []  # (lane, amounts)
     for s in sorted(set(gemms) | set(after) | set(comm)):
         lane = "comm" if s % 2 else "compute"
         cur = list(comm[s]) if lane == "comm" else [gemms.get(s) or _Gemms(), after.get(s) or _Gemms()]
+        # An empty stage between two of one lane merges them (comm stages: of one kind only;
+        # of two kinds they stay apart, one after the other on the comm lane).
         if merged and merged[-1][0] == lane and (lane == "compute" or merged[-1][1][2] == cur[2]):
             prev = merged.pop()[1]
             if lane == "comm":
@@ -349,7 +351,7 @@ def region_stages(region: ax.Region):
     stages: list = []
     for lane, cur in merged:
         if lane == "comm":
-            stages.append(cost.Stage("comm", cur[2], cur[0], cur[1]))  # kinds differ: one after the other
+            stages.append(cost.Stage("comm", cur[2], cur[0], cur[1]))
             continue
         g, late = cur
         rows, chunked = g.rows()
