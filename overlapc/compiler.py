@@ -275,7 +275,7 @@ def _origins(snode) -> list:
 def reorder_scheduler_nodes(nodes: list) -> list:
     from torch._inductor.utils import is_collective, is_wait
 
-    from overlapc.passes.schedule import ISSUE_AFTER, list_schedule
+    from overlapc.passes.schedule import issue_after, list_schedule
 
     producer = {}
     for n in nodes:
@@ -291,9 +291,7 @@ def reorder_scheduler_nodes(nodes: list) -> list:
             by_origin.setdefault(o.name, n)
     for n in nodes:
         for o in _origins(n):
-            after = o.meta.get(ISSUE_AFTER)
-            if after in by_origin and by_origin[after] is not n:
-                preds[n].append(by_origin[after])
+            preds[n].extend(by_origin[a] for a in issue_after(o) if a in by_origin and by_origin[a] is not n)
     early = {n for n in nodes if getattr(n, "node", None) is not None and is_collective(n.node)
              and not is_wait(n.node)}
     late = {n for n in nodes if getattr(n, "node", None) is not None and is_wait(n.node)}

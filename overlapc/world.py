@@ -45,20 +45,20 @@ class World:
     def __init__(self, world_size: int, *, backend: str = "gloo", timeout: float = 300.0,
                  env: dict[str, str] | None = None, rank_env: Callable[[int], dict] | None = None,
                  rank_prefix: Callable[[int], Sequence[str]] | None = None, threads: int = 1,
-                 pg_timeout: float = 120.0, gloo_threads: int | None = None):
+                 pg_timeout: float = 120.0):
         """
         world_size: number of ranks. backend: process-group backend ("gloo").
         timeout: default seconds a job may take. env / rank_env(rank): extra environment.
         rank_prefix(rank): command prefix for that rank's process (e.g. ["ip", "netns", "exec", "ns0"]).
         threads: torch intra-op threads per rank. pg_timeout: the process group's own timeout.
-        gloo_threads: gloo's worker threads (its default: 2); 1 runs collectives one at a time,
-        in issue order, as one NIC (or one NCCL stream) would.
+        (gloo runs its default 2 worker threads: init_process_group ignores gloo's pg_options
+        as of torch 2.13, so a thread count cannot be set here.)
         """
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size, self.backend, self.timeout = world_size, backend, timeout
         self.env, self.rank_env, self.rank_prefix = dict(env or {}), rank_env, rank_prefix
-        self.threads, self.pg_timeout, self.gloo_threads = threads, pg_timeout, gloo_threads
+        self.threads, self.pg_timeout = threads, pg_timeout
         self._procs: list[subprocess.Popen] = []
         self._conns: list = []
         self._dir: str | None = None
@@ -82,7 +82,7 @@ class World:
             env = {**base_env, **(self.rank_env(rank) if self.rank_env else {})}
             cmd = [*(self.rank_prefix(rank) if self.rank_prefix else ()), sys.executable, "-m", "overlapc.world",
                    sock, str(rank), str(self.world_size), store, self.backend, str(self.threads),
-                   str(self.pg_timeout), str(self.gloo_threads or 0)]
+                   str(self.pg_timeout)]
             self._procs.append(subprocess.Popen(cmd, env=env))
         conns: dict[int, Any] = {}
         deadline = time.monotonic() + 120
@@ -231,8 +231,7 @@ def _recv(conn):
 
 
 # ---------------------------------------------------------------------- worker side
-def _worker(sock: str, rank: int, world_size: int, store: str, backend: str, threads: int, pg_timeout: float,
-            gloo_threads: int = 0):
+def _worker(sock: str, rank: int, world_size: int, store: str, backend: str, threads: int, pg_timeout: float):
     import datetime
 
     import torch
@@ -241,13 +240,8 @@ def _worker(sock: str, rank: int, world_size: int, store: str, backend: str, thr
     torch.set_num_threads(threads)
     conn = Client(sock, family="AF_UNIX")
     _send(conn, rank)
-    kw = {}
-    if backend == "gloo" and gloo_threads:
-        opts = dist.ProcessGroupGloo._Options()
-        opts._threads = gloo_threads
-        kw["pg_options"] = opts
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=pg_timeout), **kw)
+                            timeout=datetime.timedelta(seconds=pg_timeout))
     try:
         while True:
             try:
@@ -274,4 +268,4 @@ def _worker(sock: str, rank: int, world_size: int, store: str, backend: str, thr
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    _worker(a[0], int(a[1]), int(a[2]), a[3], a[4], int(a[5]), float(a[6]), int(a[7]))
+    _worker(a[0], int(a[1]), int(a[2]), a[3], a[4], int(a[5]), float(a[6]))

@@ -393,10 +393,10 @@ def _run_after(anchors: dict[Node, Node], last_chunk: dict) -> None:
     guide: the whole weight gradients then ran before the last chunk's input gradients and
     held back its transfer (the world-2 MoE training step's last all-to-all chunk started
     after them). So ordered, they run under that transfer."""
-    from .schedule import ISSUE_AFTER
+    from .schedule import add_issue_after
 
     for n, coll in anchors.items():
-        n.meta[ISSUE_AFTER] = last_chunk[coll].name
+        add_issue_after(n, last_chunk[coll])
 
 
 def _comm_first(region: ax.Region) -> list[Node]:
@@ -429,13 +429,13 @@ def _one_at_a_time(colls: list[Node], pieces: list[dict]) -> None:
     first chunk's compute waits for it, so it should come first. (Chunks fed by compute are
     issued one at a time by the compute anyway; all-gathers on gloo are serialized by the
     schedule for another reason.)"""
-    from .schedule import ISSUE_AFTER
+    from .schedule import add_issue_after
 
     for coll in colls:
         for prev, cur in zip(pieces, pieces[1:]):
             w = ops.wait_of(prev[coll])
             if w is not None:
-                cur[coll].meta[ISSUE_AFTER] = w.name
+                add_issue_after(cur[coll], w)
 
 
 def rewrite(site, chunks: int) -> None:

@@ -190,6 +190,19 @@ def group_backend(name: str | None) -> str | None:
         return None
 
 
+def group_comm_threads(name: str | None) -> int | None:
+    """Collectives the process group called ``name`` runs at once: a gloo group's worker
+    threads (ProcessGroupGloo's default: 2); None where that is not known."""
+    if name is None:
+        return None
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        backend = _resolve_process_group(name)._get_backend(torch.device("cpu"))
+        return int(backend.options._threads)
+    except Exception:
+        return None
+
+
 def reduce_op(coll: Node) -> str | None:
     if coll.target in (REDUCE_SCATTER, ALL_REDUCE):
         return coll.args[1]

@@ -173,45 +173,86 @@ def list_schedule(items: list, preds: dict, early: set, late: set, collectives: 
 
 # Backends on which at most one all-gather per group may be in flight. gloo (torch 2.13,
 # CPU) corrupts the heap when two functional all-gathers of one group are outstanding at
-# once over a slow link (reproduced with 1 and 2 gloo worker threads; one at a time never
-# fails), so each all-gather there is issued only after the previous one was waited on.
+# once over a slow link (one at a time never failed; the earlier note that it also failed
+# with one gloo worker thread is void: the World's thread option never took effect, as
+# init_process_group ignores gloo's pg_options), so each all-gather there is issued only
+# after the previous one was waited on.
 # All-to-alls are not serialized: 4 in flight, 100-150 rounds over a shaped link, inputs
 # views of dropped buffers, stayed exact (serializing them halved the MoE overlap: the
 # combine of chunk c then waits for the dispatch of chunk c + 1).
 SERIAL_BACKENDS = ("gloo",)
 SERIAL_OPS = (ops.ALL_GATHER,)
+# Where a gloo group runs collectives on more than one worker thread (its default: 2), two
+# of different gloo algorithms must not be in flight at once: an all-gather beside
+# reduce-scatters (gloo runs those as all-reduces) over a shaped link hung in gloo's TCP
+# transport ("Timed out waiting ... for send operation to complete") in 2 of 6 two-minute
+# runs of benchmarks/gloo_stress.py, and aborted twice with a corrupted heap in the
+# benchmark; reduce-scatters beside reduce-scatters did not fail (2 runs). One worker
+# thread would run them in issue order, so there this is not done (not measured: such a
+# group cannot be made through init_process_group). So on multi-threaded gloo groups a
+# collective is issued only after every collective of the last run of another family was
+# waited on.
+GLOO_FAMILY = {ops.ALL_GATHER: "allgather", ops.REDUCE_SCATTER: "allreduce", ops.ALL_REDUCE: "allreduce",
+               ops.ALL_TO_ALL: "alltoall"}
 ISSUE_AFTER = "overlapc_issue_after"
-"""node.meta key: name of a node this one must not be scheduled before (a scheduling edge):
-the previous wait of a serialized all-gather, the last chunked all-to-all of a region for
-its deferred sums. Honoured by :func:`schedule` and the inductor hook (overlapc.compiler)."""
+"""node.meta key: names of the nodes this one must not be scheduled before (scheduling
+edges): the previous wait of a serialized all-gather, the waits of the other family's
+collectives on a multi-threaded gloo group, the last chunked all-to-all of a region for its
+deferred sums. Honoured by :func:`schedule` and the inductor hook (overlapc.compiler)."""
 
 
-def serialize_collectives(nodes: list[Node]) -> dict[Node, Node]:
-    """{all-gather: the previous all-gather's wait} for groups on SERIAL_BACKENDS.
+def issue_after(node: Node) -> tuple[str, ...]:
+    """The names in ``node``'s scheduling edges (:data:`ISSUE_AFTER`)."""
+    return tuple(node.meta.get(ISSUE_AFTER, ()))
 
-    Also records the edge in node.meta[ISSUE_AFTER], for schedulers that see the graph
-    through another representation (the inductor hook in overlapc.compiler). Adding it
-    cannot create a cycle: the previous gather comes first in a topological order, so it
-    cannot depend on the next one.
+
+def add_issue_after(node: Node, *before: Node) -> None:
+    """Schedule ``node`` after each of ``before`` (recorded in node.meta[ISSUE_AFTER])."""
+    names = issue_after(node)
+    node.meta[ISSUE_AFTER] = names + tuple(b.name for b in before if b.name not in names and b is not node)
+
+
+def serialize_collectives(nodes: list[Node]) -> dict[Node, list[Node]]:
+    """{collective: the waits it must be issued after}, for groups on gloo.
+
+    An all-gather waits for the previous all-gather of its group. Where the group has more
+    than one worker thread, a collective also waits for every collective of the group's
+    last run of another family (:data:`GLOO_FAMILY`, in the order of ``nodes``): runs of one
+    family then never overlap runs of another, while the collectives inside a run (chunked
+    reduce-scatters, all-to-alls) stay concurrent. Also records the edges in
+    node.meta[ISSUE_AFTER], for schedulers that see the graph through another representation
+    (the inductor hook in overlapc.compiler). They cannot create a cycle: each points at the
+    wait of a collective earlier in a topological order, which cannot depend on this one.
     """
-    after: dict[Node, Node] = {}
+    after: dict[Node, list[Node]] = {}
+    serial: dict[str, tuple[bool, bool]] = {}
     last_wait: dict[tuple, Node] = {}
-    serial: dict[str, bool] = {}
+    runs: dict[str, list] = {}  # group -> [family, waits of the current run, waits of the run before]
     for n in nodes:
-        if n.target not in SERIAL_OPS:
+        if n.target not in GLOO_FAMILY:
             continue
         g = ops.group_name(n)
         if g not in serial:
-            serial[g] = ops.group_backend(g) in SERIAL_BACKENDS
-        if not serial[g]:
-            continue
-        key = (g, n.target)
-        if key in last_wait:
-            after[n] = last_wait[key]
-            n.meta[ISSUE_AFTER] = last_wait[key].name
+            gloo = ops.group_backend(g) in SERIAL_BACKENDS
+            serial[g] = (gloo, gloo and (ops.group_comm_threads(g) or 2) > 1)
+        one_gather, families_apart = serial[g]
+        before = []
+        if one_gather and n.target in SERIAL_OPS and (g, n.target) in last_wait:
+            before.append(last_wait[(g, n.target)])
         w = ops.wait_of(n)
-        if w is not None:
-            last_wait[key] = w
+        if families_apart:
+            fam = GLOO_FAMILY[n.target]
+            run = runs.setdefault(g, [fam, [], []])
+            if run[0] != fam:
+                run[:] = [fam, [], run[1]]
+            before.extend(run[2])
+            if w is not None:
+                run[1].append(w)
+        if w is not None and n.target in SERIAL_OPS:
+            last_wait[(g, n.target)] = w
+        if before:
+            after[n] = before
+            add_issue_after(n, *before)
     return after
 
 
@@ -227,10 +268,8 @@ def schedule(graph: Graph) -> bool:
     preds = {n: list(dag.predecessors(n)) for n in nodes}
     serialize_collectives(nodes)
     by_name = {n.name: n for n in nodes}
-    for n in nodes:  # scheduling edges: serialized all-gathers, deferred sums (passes/all_to_all)
-        after = by_name.get(n.meta.get(ISSUE_AFTER))
-        if after is not None and after is not n:
-            preds[n].append(after)
+    for n in nodes:  # scheduling edges: serialized collectives, deferred sums (passes/all_to_all)
+        preds[n].extend(by_name[a] for a in issue_after(n) if a in by_name and by_name[a] is not n)
     return _apply_order(graph, nodes, list_schedule(nodes, preds, early, late, collectives=set(colls)))
 
 

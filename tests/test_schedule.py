@@ -16,7 +16,7 @@ import torch.distributed._functional_collectives as funcol
 import overlapc
 from overlapc.explain import capture
 from overlapc.passes import ops
-from overlapc.passes.schedule import ISSUE_AFTER, list_schedule, serialize_collectives
+from overlapc.passes.schedule import ISSUE_AFTER, issue_after, list_schedule, serialize_collectives
 
 CHUNKS = 3
 
@@ -136,8 +136,11 @@ def test_row_chunks_chain_from_gather_to_scatter(fake_mesh8):
 
 
 def test_gloo_all_gathers_are_chained(fake_mesh8, monkeypatch):
-    """On gloo, a chunk's all-gather is issued only after the previous chunk was waited on."""
+    """On gloo, a chunk's all-gather is issued only after the previous chunk was waited on;
+    with more than one gloo worker thread, the reduce-scatters (another gloo algorithm) only
+    after every all-gather of the run before them was waited on."""
     monkeypatch.setattr(ops, "group_backend", lambda name: "gloo")
+    monkeypatch.setattr(ops, "group_comm_threads", lambda name: 2)
     report, graphs = capture(ag_mm_rs, *_inputs(), options={"strategy": "decompose", "chunks": CHUNKS})
     (_, gm), = graphs
     seq = list(gm.graph.nodes)
@@ -145,12 +148,22 @@ def test_gloo_all_gathers_are_chained(fake_mesh8, monkeypatch):
     ags = [n for n in seq if n.target is ops.ALL_GATHER]
     for prev, nxt in zip(ags, ags[1:]):
         w = ops.wait_of(prev)
-        assert nxt.meta[ISSUE_AFTER] == w.name
+        assert issue_after(nxt) == (w.name,)
         assert pos[w] < pos[nxt], "the next all-gather waits for the previous one"
         # ... but it is issued before the previous chunk's GEMM, which it overlaps
         mm = next(u for u in w.users if u.target is ops.aten.mm.default)
         assert pos[nxt] < pos[mm]
-    assert len(serialize_collectives(seq)) == CHUNKS - 1
+    after = serialize_collectives(seq)
+    assert [n for n in after if n.target is ops.ALL_GATHER] == ags[1:]
+    rss = [n for n in seq if n.target is ops.REDUCE_SCATTER]
+    waits = [ops.wait_of(n) for n in ags]
+    assert rss and all(after[rs] == waits for rs in rss), {rs.name: after.get(rs) for rs in rss}
+    assert all(pos[w] < pos[rs] for rs in rss for w in waits)
+    # One worker thread runs collectives in issue order: only the all-gathers are chained.
+    monkeypatch.setattr(ops, "group_comm_threads", lambda name: 1)
+    for n in seq:
+        n.meta.pop(ISSUE_AFTER, None)
+    assert list(serialize_collectives(seq)) == ags[1:]
 
 
 @pytest.mark.slow

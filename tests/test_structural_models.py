@@ -136,14 +136,15 @@ def test_moe_decomposed_along_capacity(fake_mesh8, form, dtype):
     # The region's first all-to-all (its chunks' inputs all exist at once: the dispatch, and in
     # backward the combine's gradient) issues chunk c + 1 only after chunk c's wait.
     from overlapc.passes import ops
-    from overlapc.passes.schedule import ISSUE_AFTER
+    from overlapc.passes.schedule import issue_after
     for kind, g in graphs:
         nodes = list(g.graph.nodes)
         pos = {n.name: i for i, n in enumerate(nodes)}
-        later = [n for n in nodes if n.target is ops.ALL_TO_ALL and ISSUE_AFTER in n.meta]
+        later = [n for n in nodes if n.target is ops.ALL_TO_ALL and issue_after(n)]
         assert len(later) == 2, (kind, [n.name for n in later])
         for n in later:
-            assert nodes[pos[n.meta[ISSUE_AFTER]]].target is ops.WAIT and pos[n.meta[ISSUE_AFTER]] < pos[n.name]
+            (w,) = issue_after(n)
+            assert nodes[pos[w]].target is ops.WAIT and pos[w] < pos[n.name]
 
 
 def test_ulysses_one_region_per_graph(fake_mesh8):
