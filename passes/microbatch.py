@@ -129,7 +129,7 @@ def choose_slices(graph: Graph, graph_kind: str, options) -> tuple[int, dict | N
     base = sum(p.base for p in preds)
     n = pick_count({c: sum(p.per_chunks[c] for p in preds) for c in counts})
     sliced = sum(p.per_chunks[n] for p in preds)
-    rows_saving = _row_chunk_saving(graph, graph_kind, options, profile, in_regions)
+    rows_saving = _row_chunk_saving(graph, graph_kind, options, in_regions)
     view = {"profile": profile.name, "slices": n, "regions": len(regions), "base_ms": round(base * 1e3, 4),
             "sliced_ms": round(sliced * 1e3, 4), "row_chunks_saving_ms": round(rows_saving * 1e3, 4),
             "collectives": names}
@@ -143,31 +143,24 @@ def choose_slices(graph: Graph, graph_kind: str, options) -> tuple[int, dict | N
     return 1, view
 
 
-def _row_chunk_saving(graph: Graph, graph_kind: str, options, profile, colls: set[Node]) -> float:
-    """Seconds the row-chunked sites of ``colls`` are predicted to save, as the planner would
-    plan them (passes/plan.py): each at its best count or the fixed one; none where strategy
-    "none", min_bytes or the rule leaves the site alone, or strategy "auto" finds its gain
-    below ``min_gain``."""
-    from . import lower
+def _row_chunk_saving(graph: Graph, graph_kind: str, options, colls: set[Node]) -> float:
+    """Seconds the row-chunked sites of ``colls`` are predicted to save as the planner plans
+    them: the graph's modelled sites go through passes/plan.plan_sites (strategy, min_bytes,
+    the rule's checks, ``min_gain`` under "auto", one count for sites that can chain), and
+    each planned one counts its baseline less its time at the count it got."""
     from .deps import DepGraph
     from .match import find_sites
-    from .plan import MODELLED, predict_site
+    from .plan import MODELLED, plan_sites
 
-    saving = 0.0
     deps = DepGraph(graph)
-    for site in find_sites(graph, graph_kind, deps)[0]:
-        strategy, chunks = (options.for_site(site.name)[k] for k in ("strategy", "chunks"))
-        rule = lower.RULES.get(type(site))
-        if site.coll not in colls or site.pattern not in MODELLED or strategy == "none" or rule is None:
-            continue
-        nbytes = site.comm_bytes()
-        if (options.min_bytes and nbytes is not None and nbytes < options.min_bytes) or rule.can_rewrite(site, deps):
-            continue
-        rows = ops.hint(rule.extent(site))
-        pred = predict_site(site, profile, rows) if rows else None
-        if pred is not None and not (strategy == "auto" and pred.gain < profile.min_gain):
-            saving += pred.base - (pred.best if chunks == "auto" else pred.per_chunks.get(min(chunks, rows), pred.best))
-    return saving
+    sites = [s for s in find_sites(graph, graph_kind, deps)[0] if s.pattern in MODELLED]
+    plan_sites(sites, options, deps)
+    saving = 0.0
+    for s in sites:
+        pred = s.details.get("predicted")
+        if s.coll in colls and s.status == "planned" and s.strategy == "decompose" and pred:
+            saving += pred["base_ms"] - pred["by_chunks_ms"].get(str(s.chunks), pred["best_ms"])
+    return saving / 1e3
 
 
 def report_rows(cuts: list[dict], graph_kind: str, n: int, view: dict | None = None) -> list:
