@@ -34,6 +34,13 @@ def _group():
     return dist.group.WORLD
 
 
+def _skip_inner_gathers_on_torch_2_11():
+    from conftest import TORCH_2_11
+    if TORCH_2_11:
+        pytest.skip("torch 2.11's Dynamo graph-breaks on funcol.all_gather_tensor with gather_dim != 0 "
+                    "(it skips torch._utils._maybe_view_chunk_cat): the gather runs outside the graph")
+
+
 # ---------------------------------------------------------------- all-gather -> matmul
 
 @pytest.mark.parametrize("shape,dim,role", [
@@ -44,6 +51,8 @@ def _group():
     ((2, 8, 32), 2, "contraction"),
 ])
 def test_all_gather_matmul_dims(fake_mesh8, shape, dim, role):
+    if dim:
+        _skip_inner_gathers_on_torch_2_11()
     k_local = shape[-1]
     k = k_local * (W if dim == len(shape) - 1 else 1)
 
@@ -61,6 +70,8 @@ def test_all_gather_matmul_dims(fake_mesh8, shape, dim, role):
 
 
 def test_several_consumers_one_site(fake_mesh8):
+    _skip_inner_gathers_on_torch_2_11()
+
     def fn(x, wq, wk, wv):
         g = funcol.all_gather_tensor(x, gather_dim=1, group=_group())
         return F.linear(g, wq), F.linear(g, wk), F.linear(g, wv)
