@@ -85,6 +85,10 @@ def can_fuse(site, deps) -> str | None:
     why = backend_support(site)
     if why:
         return f"no symmetric memory for this group: {why}"
+    from overlapc.kernels import interpreter_problem  # imported when fusing: it sets TRITON_INTERPRET on a CPU
+    why = interpreter_problem()
+    if why:
+        return f"the fused kernels cannot run here: {why}"
     if any(not isinstance(d, int) for d in ops.shape(site.coll.args[0]) or ()):
         return "dynamic shapes: the fused ops are planned for static shapes (strategy 'decompose' chunks them)"
     if isinstance(site, AllGatherMatmulSite):

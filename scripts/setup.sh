@@ -41,4 +41,16 @@ if ! "$PY" -c "import triton" 2>/dev/null; then
 fi
 "${PIP[@]}" sympy networkx pytest hypothesis matplotlib
 "${PIP[@]}" --no-deps --editable .
+# Without CUDA the fused kernels run in Triton's interpreter; Triton < 3.7's (beside torch
+# 2.11) cannot run them on NumPy >= 2.4: give the venv a NumPy it can.
+if "$PY" - <<'PY' 2>/dev/null
+import sys
+import numpy, torch, triton
+from overlapc.kernels import interpreter_problem
+sys.exit(0 if not torch.cuda.is_available() and interpreter_problem(triton.__version__, numpy.__version__) else 1)
+PY
+then
+  echo "setup: installing numpy<2.4 (Triton $("$PY" -c 'import triton; print(triton.__version__)')'s interpreter)"
+  "${PIP[@]}" "numpy<2.4"
+fi
 "$PY" -c "import torch, triton, overlapc; print(f'setup: torch {torch.__version__}, triton {triton.__version__}, overlapc {overlapc.__version__}')"

@@ -390,6 +390,27 @@ def test_tp_sp_model_fused_equals_eager(world_size, inner, world2, world4):
 
 
 # ------------------------------------------------------------------ structure (fake PG, world 8)
+def test_interpreter_problem_names_the_versions(fake_mesh8, monkeypatch):
+    """Triton < 3.7's interpreter with NumPy >= 2.4 cannot run the kernels' loops: fusing says
+    so per site (left alone), and a direct call raises it, instead of a TypeError inside Triton."""
+    import overlapc
+    from overlapc import kernels
+    from overlapc.models import llama
+    from overlapc.runtime import fused
+
+    assert kernels.interpreter_problem("3.6.0", "2.3.5") is None
+    assert kernels.interpreter_problem("3.7.1", "2.4.6") is None
+    msg = kernels.interpreter_problem("3.6.0", "2.4.6")
+    assert "Triton 3.6.0" in msg and "NumPy 2.4.6" in msg and "NumPy < 2.4, or Triton >= 3.7" in msg
+    monkeypatch.setattr(kernels, "interpreter_problem", lambda *a: msg)
+    model, inputs = llama.build_tp_sp(fake_mesh8, n_layers=1)
+    report = overlapc.explain(model, *inputs, options={"strategy": "fuse"})
+    sites = [s for s in report.sites if s.pattern in ("all_gather_matmul", "matmul_reduce_scatter")]
+    assert sites and all(s.status == "skipped" and msg in s.reason for s in sites), report
+    with pytest.raises(overlapc.OverlapError, match="fused ag kernel: Triton 3.6.0"):
+        fused._launch_config("ag", 64, 64, 64, torch.float32, torch.device("cpu"))
+
+
 def test_fuse_plan_structure(fake_mesh8):
     """strategy="fuse": every AG -> mm and mm -> RS site of the TP+SP model is fused (summed
     dgrad producers too); MoE's all-to-all sites say why not; the graphs hold the ops."""

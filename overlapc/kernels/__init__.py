@@ -19,6 +19,27 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+
+
+def interpreter_problem(triton_version: str | None = None, numpy_version: str | None = None) -> str | None:
+    """Why Triton's interpreter cannot run these kernels here (None: it can, or kernels are
+    compiled). Triton before 3.7 turns a loop bound held in a kernel argument into a Python
+    int with ``int(array)`` on a 1-element array, which NumPy 2.4 refuses
+    ("only 0-dimensional arrays can be converted to Python scalars"); Triton 3.7 squeezes first."""
+    if triton_version is None:
+        if not INTERPRET:
+            return None
+        import numpy
+        import triton
+        triton_version, numpy_version = triton.__version__, numpy.__version__
+    if _release(triton_version) < (3, 7) and _release(numpy_version) >= (2, 4):
+        return (f"Triton {triton_version}'s interpreter cannot run kernels with loops on NumPy {numpy_version} "
+                "(it needs NumPy < 2.4, or Triton >= 3.7)")
+    return None
+
+
 def _interpret_stdlib() -> None:
     """Make Triton's standard-library helpers (``tl.zeros``, ``tl.cdiv``, ...) callable from
     interpreted kernels. They are ``@triton.jit`` functions, and Triton decides at decoration

@@ -121,8 +121,11 @@ def _launch_config(kind: str, M: int, N: int, K: int, dtype: torch.dtype, device
     kernel ``kind`` ("ag": the AG consumer, "rs": the RS producer over ``world`` owners)."""
     import triton
 
-    from overlapc.kernels import INTERPRET
+    from overlapc.kernels import INTERPRET, interpreter_problem
     from overlapc.kernels.gemm import configs
+    why = interpreter_problem()
+    if why:
+        raise OverlapError(f"fused {kind} kernel: {why}")
     cands = configs(M, N, K)
     cfg = dict(cands[0])
     if len(cands) > 1:
