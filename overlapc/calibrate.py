@@ -210,7 +210,7 @@ def _comm_threads(group) -> int:
 
     if dist.get_backend(group) != "gloo":
         return 1
-    return ops.group_comm_threads(group.group_name) or 2  # ProcessGroupGloo's default
+    return ops.group_comm_threads(group.group_name) or ops.GLOO_DEFAULT_THREADS
 
 
 def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str = "cpu-local") -> dict:

@@ -76,6 +76,8 @@ import sympy
 from overlapc.errors import OverlapError
 from overlapc.runtime.dropless import chunk_weights
 
+from . import ops
+
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "overlapc" / "profiles"
 if not PROFILE_DIR.is_dir():  # installed (non-editable): overlapc/profiles next to overlapc/
     import overlapc as _o
@@ -359,7 +361,7 @@ def stage_times(st: Stage, fracs: list, world: int, gemm: Gemm, p: Profile) -> l
         # comm_threads where latency is. Measured (world 4, 1000 Mbit/s, reduce_scatter_tensor
         # issued async, all waited): 8 chunks of an 8 MiB input 104 ms against 107 ms whole;
         # of a 1 MiB input 30 ms against 13 ms whole; of 16 KiB, 32 ms against 8 ms.
-        k = p.comm_threads or 2
+        k = p.comm_threads or ops.GLOO_DEFAULT_THREADS
         ts = [ts[0]] + [sympy.Max(t - lat, t / max(1, int(k))) for t in ts[1:]]
     return ts
 

@@ -190,9 +190,14 @@ def group_backend(name: str | None) -> str | None:
         return None
 
 
+GLOO_DEFAULT_THREADS = 2
+"""ProcessGroupGloo's worker threads unless its options say otherwise (what
+init_process_group gives every gloo group): the guess where a group's count cannot be read."""
+
+
 def group_comm_threads(name: str | None) -> int | None:
     """Collectives the process group called ``name`` runs at once: a gloo group's worker
-    threads (ProcessGroupGloo's default: 2); None where that is not known."""
+    threads (``GLOO_DEFAULT_THREADS`` by default); None where that is not known."""
     if name is None:
         return None
     try:
