@@ -10,9 +10,6 @@ import torch.distributed as dist
 # Tests compile many small graphs; keep each process to one intra-op thread.
 torch.set_num_threads(1)
 
-TORCH_2_11 = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12)
-"""torch 2.11 (the oldest torch overlapc supports): two behaviours some tests depend on differ."""
-
 
 @pytest.fixture(scope="session")
 def fake_mesh8():

@@ -35,8 +35,7 @@ def _group():
 
 
 def _skip_inner_gathers_on_torch_2_11():
-    from conftest import TORCH_2_11
-    if TORCH_2_11:
+    if torch.__version__ < (2, 12):
         pytest.skip("torch 2.11's Dynamo graph-breaks on funcol.all_gather_tensor with gather_dim != 0 "
                     "(it skips torch._utils._maybe_view_chunk_cat): the gather runs outside the graph")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 import torch
 
@@ -20,7 +21,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _release(version: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+    """(major, minor) of a version string: "2.4.0rc1" -> (2, 4), "3.6.0+git1234" -> (3, 6)."""
+    return tuple(int(re.match(r"\d*", p).group() or 0) for p in version.split("+")[0].split(".")[:2])
 
 
 def interpreter_problem(triton_version: str | None = None, numpy_version: str | None = None) -> str | None:
@@ -28,7 +30,7 @@ def interpreter_problem(triton_version: str | None = None, numpy_version: str | 
     compiled). Triton before 3.7 turns a loop bound held in a kernel argument into a Python
     int with ``int(array)`` on a 1-element array, which NumPy 2.4 refuses
     ("only 0-dimensional arrays can be converted to Python scalars"); Triton 3.7 squeezes first."""
-    if triton_version is None:
+    if triton_version is None or numpy_version is None:
         if not INTERPRET:
             return None
         import numpy
