@@ -148,8 +148,8 @@ def test_moe_matches_eager(world_name, request):
 # (source rank, local expert) groups, pipelined by the run-time op (passes/dropless.py).
 # bf16 only: torch's meta kernel of _grouped_mm refuses fp32 on CPU, so fp32 cannot compile.
 # Rows are computed by the same per-row dot products whatever the chunk, and weight
-# gradients run whole on the rows rebuilt from the chunks (the run-time op's tail), so the
-# bf16 tolerance above is generous here (measured: exact).
+# gradients run whole on the rows rebuilt from the chunks (after the op here: in its tail
+# only under inductor, README), so the bf16 tolerance above is generous (measured: exact).
 DROPLESS_CASES = [
     dict(form="grouped", top_k=2, dtype="bf16", chunks=2),
     dict(form="grouped", top_k=1, dtype="bf16", chunks=4),
