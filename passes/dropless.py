@@ -202,7 +202,14 @@ def _tail_gemm(n: Node, kinds: dict, pos: dict, before: int) -> list[Node] | Non
             not any(kinds.get(a) in ("row", "rowT") for a in n.all_input_nodes):
         return None
     outside = [a for a in n.all_input_nodes if a not in kinds]
-    return outside if all(pos[a] < before for a in outside) else None
+    return outside if all(pos[a] < before or _hoistable(a, pos, before) for a in outside) else None
+
+
+def _hoistable(a: Node, pos: dict, before: int) -> bool:
+    """A transpose made after position ``before`` (the dispatch) of a tensor made before it:
+    free to move up (eager backward graphs transpose a saved activation for its weight
+    gradient only where that gradient is computed, after the all-to-alls)."""
+    return a.op == "call_function" and a.target in TRANSPOSES and all(pos[x] < before for x in a.all_input_nodes)
 
 
 def _pointwise(n: Node) -> bool:
@@ -373,6 +380,10 @@ def rewrite(site, chunks: int, site_of) -> None:
                               tail=_tail(p), tail_sources=_tail_sources(p)[1], n_tail_consts=len(p.tail_consts),
                               site=site.name, out_shapes=shapes)
     out_s, in_s = p.dispatch.args[1], p.dispatch.args[2]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for a in p.tail_consts:  # transposes hoisted by _tail_gemm: made before the call that reads them
+        if order[a] > order[p.combine]:
+            p.combine.prepend(a)
     with graph.inserting_before(p.combine):
         call = graph.call_function(torch.ops.overlapc.dropless_pipeline.default,
                                    (register(runner), p.dispatch.args[0], list(in_s), list(out_s), p.offs,

@@ -102,7 +102,9 @@ def moe_job(config: dict, routings: list) -> dict:
             torch.testing.assert_close(grads[1][name], g, **tol, msg=lambda s: f"{where} grad {name}: {s}")
             worst = max(worst, (grads[1][name].float() - g.float()).abs().max().item())
     sites = [s for s in be.report.sites if s.pattern != "collective"]
+    tail = {s.details["pipeline"]["reduced_outputs"] for s in sites if s.graph == "backward" and "pipeline" in s.details}
     return {"max_abs_err": worst, "loads": loads, "pipeline_calls": DroplessPipeline.calls - calls_before,
+            "tail": sorted(tail),
             # a recompile (guards of another config's model failing here) reports them again
             "sites": sorted({(s.graph, s.pattern, s.status, s.chunks) for s in sites})}
 
@@ -148,8 +150,8 @@ def test_moe_matches_eager(world_name, request):
 # (source rank, local expert) groups, pipelined by the run-time op (passes/dropless.py).
 # bf16 only: torch's meta kernel of _grouped_mm refuses fp32 on CPU, so fp32 cannot compile.
 # Rows are computed by the same per-row dot products whatever the chunk, and weight
-# gradients run whole on the rows rebuilt from the chunks (after the op here: in its tail
-# only under inductor, README), so the bf16 tolerance above is generous (measured: exact).
+# gradients run whole on the rows rebuilt from the chunks (the op's tail), so the bf16
+# tolerance above is generous (measured: exact).
 DROPLESS_CASES = [
     dict(form="grouped", top_k=2, dtype="bf16", chunks=2),
     dict(form="grouped", top_k=1, dtype="bf16", chunks=4),
@@ -165,6 +167,9 @@ def _check_dropless(result, config, routings):
                                      for p in ("all_to_all_matmul", "matmul_all_to_all")), result["sites"]
     # the run-time pipeline really ran: once forward and once backward per routing
     assert result["pipeline_calls"] == 2 * len(routings), result["pipeline_calls"]
+    # and the backward's three expert weight gradients are its tail (eager: their transposed
+    # activations are made after the dispatch and hoisted above the op)
+    assert result["tail"] == [3], result["tail"]
 
 
 @pytest.mark.distributed
