@@ -204,16 +204,9 @@ def _concurrent_excess(issue, link: float, group, reps: int) -> float:
     return min(1.0, max(0.0, (t_tog - link) / (t_seq - link)))
 
 
-def _comm_threads(group) -> int:
-    """Collectives ``group`` runs at once: a gloo group's worker threads, else 1."""
+def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str = "cpu-local") -> dict:
     from overlapc.passes import ops
 
-    if dist.get_backend(group) != "gloo":
-        return 1
-    return ops.group_comm_threads(group.group_name) or ops.GLOO_DEFAULT_THREADS
-
-
-def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str = "cpu-local") -> dict:
     group = group or dist.group.WORLD
     world = dist.get_world_size(group)
     gemm, points = {}, {}
@@ -378,7 +371,7 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
         "comm_loss": {k: round(v, 3) for k, v in comm_loss.items()},
         "min_gain": 0.03,
         "concurrent_reductions": dist.get_backend(group) == "gloo",
-        "comm_threads": _comm_threads(group),
+        "comm_threads": ops.group_comm_threads(group.group_name) or 1,
         "concurrent_excess": round(excess, 3),
         "loaded_latency": loaded_latency,
         "fresh_alloc": {"bytes": FRESH_BYTES, "gbps": round(fresh_bw / 1e9, 3)} if fresh_bw else None,

@@ -197,15 +197,18 @@ init_process_group gives every gloo group): the guess where a group's count cann
 
 def group_comm_threads(name: str | None) -> int | None:
     """Collectives the process group called ``name`` runs at once: a gloo group's worker
-    threads (``GLOO_DEFAULT_THREADS`` by default); None where that is not known."""
-    if name is None:
+    threads (read from its options, else ``GLOO_DEFAULT_THREADS``), 1 on other backends;
+    None where the group cannot be resolved."""
+    backend = group_backend(name)
+    if backend is None:
         return None
+    if backend != "gloo":
+        return 1
     try:
         from torch.distributed.distributed_c10d import _resolve_process_group
-        backend = _resolve_process_group(name)._get_backend(torch.device("cpu"))
-        return int(backend.options._threads)
+        return int(_resolve_process_group(name)._get_backend(torch.device("cpu")).options._threads)
     except Exception:
-        return None
+        return GLOO_DEFAULT_THREADS
 
 
 def reduce_op(coll: Node) -> str | None:

@@ -234,7 +234,7 @@ def serialize_collectives(nodes: list[Node]) -> dict[Node, list[Node]]:
         g = ops.group_name(n)
         if g not in serial:
             gloo = ops.group_backend(g) in SERIAL_BACKENDS
-            serial[g] = (gloo, gloo and (ops.group_comm_threads(g) or ops.GLOO_DEFAULT_THREADS) > 1)
+            serial[g] = (gloo, gloo and ops.group_comm_threads(g) > 1)
         one_gather, families_apart = serial[g]
         before = []
         if one_gather and n.target in SERIAL_OPS and (g, n.target) in last_wait:
