@@ -35,13 +35,59 @@ import torch
 
 
 def _bench(fn, reps: int) -> float:
-    """Median seconds of ``fn`` (device-synchronised)."""
+    """Median seconds of ``fn``. On a GPU: device time between CUDA events over back-to-back
+    calls (``triton.testing.do_bench``, L2 flushed between calls), so the host's launch
+    cost -- larger for a Triton launch than for torch.mm -- is not charged to the kernel.
+    On the CPU: wall time of synchronous calls."""
+    if torch.cuda.is_available():
+        from triton.testing import do_bench
+        return do_bench(fn, warmup=10, rep=max(20, 5 * reps), return_mode="median") / 1e3
     from overlapc.calibrate import _median
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    return _median(lambda: (fn(), sync()), reps)
+    return _median(fn, reps)
 
 
-def ag_gemm(M_L, K, N, world, dtype, dev, reps, chunks=4):
+def _guard(what: str, seconds: float) -> None:
+    """Wait for the device to finish, at most ``seconds``: a kernel that never returns wedges
+    the GPU context, so the process reports what hung (and every thread's stack) and exits."""
+    if not torch.cuda.is_available():
+        return
+    import faulthandler
+    import os
+    import sys
+    import threading
+    waiter = threading.Thread(target=torch.cuda.synchronize, daemon=True)
+    waiter.start()
+    waiter.join(seconds)
+    if waiter.is_alive():
+        print(f"FAIL {what}: the device did not finish in {seconds:.0f} s", flush=True)
+        faulthandler.dump_traceback(sys.stdout, all_threads=True)
+        sys.stdout.flush()
+        os._exit(3)
+
+
+def _tune(make, cands, reps) -> list[tuple[float, dict]]:
+    """(seconds, config) of each candidate; one that fails to compile or run times as inf
+    (and is named), unless all do."""
+    timed, errors = [], []
+    for c in cands:
+        try:
+            timed.append((_bench(make(c), reps), c))
+        except Exception as e:  # e.g. a tile that needs more shared memory than the device has
+            errors.append(f"{c}: {type(e).__name__}: {str(e)[:200]}")
+            timed.append((float("inf"), c))
+    for e in errors:
+        print(f"  config failed: {e}", flush=True)
+    if len(errors) == len(cands):
+        raise RuntimeError(f"every candidate config failed; first: {errors[0]}")
+    return timed
+
+
+def _per_config(timed, flops) -> list[str]:
+    return [f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']}: "
+            f"{flops / t / 1e12:.0f}" for t, c in timed if t != float("inf")]
+
+
+def ag_gemm(M_L, K, N, world, dtype, dev, reps, chunks=4, pipe=False):
     from overlapc.kernels import INTERPRET
     from overlapc.kernels.gemm import ag_gemm_consumer, configs
 
@@ -77,7 +123,13 @@ def ag_gemm(M_L, K, N, world, dtype, dev, reps, chunks=4):
     epoch[0] = 1
     produce()
     cands = configs(world * M_L, N, K)
-    timed = [(_bench(lambda c=c: launch(c), reps), c) for c in cands]
+    launch(cands[-1])
+    _guard(f"ag_gemm consumer {world * M_L}x{K}x{N} with every flag already up", 30)
+    if pipe:  # one mid-sized config, no tuning: this part checks the producer-consumer handshake
+        cfg = cands[min(2, len(cands) - 1)]
+        timed = [(float("inf"), cfg)]
+    else:
+        timed = _tune(lambda c: (lambda: launch(c)), cands, reps)
     t_fused, cfg = min(timed, key=lambda x: x[0])
     ref = torch.cat(shards) @ b
     launch(cfg)
@@ -85,7 +137,7 @@ def ag_gemm(M_L, K, N, world, dtype, dev, reps, chunks=4):
     t_mm = _bench(lambda: torch.mm(buf, b), reps)
     # With the producer running on a side stream (the consumer waits on its flags).
     t_pipe = None
-    if dev.type == "cuda":
+    if dev.type == "cuda" and pipe:
         side = torch.cuda.Stream()
 
         def pipelined():
@@ -96,27 +148,35 @@ def ag_gemm(M_L, K, N, world, dtype, dev, reps, chunks=4):
             launch(cfg)
             torch.cuda.current_stream().wait_stream(side)
 
-        # If the consumer's spinning tiles ever starved the producer, the host raises the
-        # abort word (pinned host memory, visible to the kernel) instead of hanging.
+        # If the consumer's spinning tiles ever starved the producer, a host thread raises
+        # the abort word (pinned host memory, visible to the kernel) instead of hanging: the
+        # abort word is the host's for the whole pipelined part, timing included.
+        import threading
         host_abort = torch.zeros(1, dtype=torch.int32).pin_memory()
         device_abort, abort = abort, host_abort  # launch() reads `abort` from this scope
-        import threading
         done = threading.Event()
-        threading.Thread(target=lambda: done.wait(60) or host_abort.fill_(1), daemon=True).start()
-        pipelined()
-        torch.cuda.synchronize()
-        done.set()
-        if int(host_abort[0]):
-            raise SystemExit("ag_gemm: the consumer starved the producer (aborted after 60 s)")
-        abort = device_abort
-        t_pipe = _bench(pipelined, reps)
-        launch(cfg)
-        err = max(err, (out.float() - ref.float()).abs().max().item())
+        threading.Thread(target=lambda: done.wait(20) or host_abort.fill_(1), daemon=True).start()
+        try:
+            out.zero_()
+            pipelined()
+            _guard("ag_gemm consumer with the producer on a side stream (host abort after 20 s)", 35)
+            if int(host_abort[0]):
+                raise RuntimeError("ag_gemm: the consumer starved the producer (aborted after 20 s)")
+            # Numerics of the pipelined call itself (tiles that waited on in-flight chunks).
+            err = max(err, (out.float() - ref.float()).abs().max().item())
+            t_pipe = _bench(pipelined, reps)
+            _guard("timed pipelined ag_gemm calls", 35)
+            if int(host_abort[0]):
+                raise RuntimeError("ag_gemm: a timed pipelined call starved its producer (aborted after 20 s)")
+        finally:
+            done.set()
+            abort = device_abort
     flops = 2 * world * M_L * K * N
     return dict(kernel="ag_gemm", M=world * M_L, K=K, N=N, world=world, max_err=err,
                 ref_scale=ref.float().abs().max().item(), tflops_fused=flops / t_fused / 1e12,
                 tflops_mm=flops / t_mm / 1e12, ratio=t_mm / t_fused,
-                tflops_with_producer=(flops / t_pipe / 1e12) if t_pipe else None, config=cfg)
+                tflops_with_producer=(flops / t_pipe / 1e12) if t_pipe else None, config=cfg,
+                per_config=_per_config(timed, flops))
 
 
 def gemm_rs(M, K, N, world, dtype, dev, reps):
@@ -156,10 +216,11 @@ def gemm_rs(M, K, N, world, dtype, dev, reps):
         rs_reduce_consumer[(tiles,)](owners[0], out, sigs[0], abort, M_O, N, world, 1, out.stride(0), out.stride(1),
                                      BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"],
                                      UPCAST=INTERPRET)
+        _guard(f"rs_reduce_consumer {M_O}x{N} with every flag already up", 30)
         return partials
 
     cands = configs(M_O, N, K)
-    timed = [(_bench(run(c), reps), c) for c in cands]
+    timed = _tune(run, cands, reps)
     t_fused, cfg = min(timed, key=lambda x: x[0])
     partials = run(cfg, reduce=True)
     full = (a.float() @ b.float())
@@ -173,10 +234,10 @@ def gemm_rs(M, K, N, world, dtype, dev, reps):
     flops = 2 * M * K * N
     return dict(kernel="gemm_rs", M=M, K=K, N=N, world=world, max_err=err, ref_scale=ref.abs().max().item(),
                 tflops_fused=flops / t_fused / 1e12, tflops_mm=flops / t_mm / 1e12, ratio=t_mm / t_fused,
-                config=cfg)
+                config=cfg, per_config=_per_config(timed, flops))
 
 
-def workspace_check(dev, timeout: float = 20.0) -> dict:
+def workspace_check(dev, timeout: float = 10.0) -> dict:
     """overlapc's symmetric-memory workspace (overlapc/runtime/symm.py) on a group of one rank
     (nccl and torch's symmetric memory on a GPU; gloo and POSIX shm on the CPU): (1) a
     consumer grid waits on flags that a host thread raises with ``SymmetricMemory.store``
@@ -260,12 +321,123 @@ def workspace_check(dev, timeout: float = 20.0) -> dict:
     return res
 
 
+def shared_world_rank(rank: int, world: int, port: int) -> dict:
+    """One rank of ``shared_world_check``: the fused ops themselves
+    (``overlapc/runtime/fused.py``: the workspace rendezvous, the copy engine's thread and
+    stream, pinned-memory stores into peers' signal words, done words, the watchdog) between
+    processes. Every operand is made from a seed, so each rank computes the reference
+    locally, without a collective (NCCL refuses two ranks on one GPU; the workspace needs none)."""
+    import torch.distributed as dist
+
+    from overlapc.kernels.gemm import configs
+    from overlapc.runtime import fused, symm
+
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
+    gname = dist.group.WORLD.group_name
+    res = dict(rank=rank, cases=[])
+
+    def operand(seed, *shape, dtype):
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randn(*shape, generator=g) / shape[-1] ** 0.25).to(dtype).to(dev)
+
+    # (kind, shape of a rank's operand, dim, N): 2-D and 3-D, dim 0 and an inner dim
+    if cuda:
+        cases = [("ag", (256, 512), 0, 384), ("ag", (2, 96, 512), 1, 256), ("rs", (512, 512), 0, 384),
+                 ("rs", (2, 192, 512), 1, 256)]
+    else:
+        cases = [("ag", (8, 32), 0, 24), ("ag", (2, 6, 32), 1, 16), ("rs", (16, 32), 0, 24), ("rs", (2, 8, 32), 1, 16)]
+    for dtype in (torch.bfloat16, torch.float32):
+        for i, (kind, shape, d, N) in enumerate(cases):
+            K = shape[-1]
+            b = operand(1000 + i, K, N, dtype=dtype)
+            if kind == "ag":
+                shards = [operand(10 * r + i, *shape, dtype=dtype) for r in range(world)]
+                full = torch.cat(shards, d)
+                Mg = full.numel() // K
+                cfg = configs(Mg, N, K)[-1]
+                fused._TUNED[("ag", Mg, N, K, dtype, dev.type)] = cfg  # autotuning would time local scratch only
+                ref = full.float() @ b.float()
+                errs = []
+                for call in range(2):  # two calls: the second waits on the first's done words
+                    g, outs = fused.all_gather_matmul(shards[rank], [b], d, gname, chunks=4, timeout=15.0,
+                                                      return_a=True, min_flops=0)
+                    errs.append((outs[0].float() - ref).abs().max().item())
+                    errs.append((g.float() - full.float()).abs().max().item())
+            else:
+                parts = [operand(10 * r + i, *shape, dtype=dtype) for r in range(world)]
+                M_O = parts[0].numel() // K // world
+                cfg = configs(M_O, N, K)[-1]
+                fused._TUNED[("rs", M_O, N, K, dtype, dev.type)] = cfg  # the autotuner's all-reduce needs NCCL
+                ref = sum(p.float() @ b.float() for p in parts).chunk(world, d)[rank]
+                errs = []
+                for call in range(2):
+                    out = fused.matmul_reduce_scatter(parts[rank], b, d, gname, timeout=15.0, min_flops=0)
+                    errs.append((out.float() - ref).abs().max().item())
+            res["cases"].append(dict(kind=kind, shape=list(shape), dim=d, N=N, dtype=str(dtype).split(".")[-1],
+                                     max_err=max(errs), ref_scale=ref.abs().max().item()))
+    res["fused_calls"] = fused.calls["fused"]
+    symm.release_all()
+    dist.destroy_process_group()
+    return res
+
+
+def shared_world_check(world: int = 2, timeout: float = 60.0) -> dict:
+    """``world`` processes on one GPU run the fused ops against each other (no multi-GPU
+    machine was lent: this is the only run of the ops' CUDA path across processes). Each
+    rank is a subprocess; all are killed after ``timeout`` seconds."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.gpu_check", "--shared-rank", str(r),
+                               "--shared-world", str(world), "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    deadline = time.monotonic() + timeout
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            outs.append(p.communicate()[0] + f"\n(killed after {timeout:.0f} s)")
+    ranks, logs = [], []
+    for r, (p, text) in enumerate(zip(procs, outs)):
+        line = [t for t in text.splitlines() if t.startswith("SHARED_RESULT ")]
+        if p.returncode == 0 and line:
+            ranks.append(json.loads(line[-1][len("SHARED_RESULT "):]))
+        else:
+            logs.append(f"rank {r} (exit {p.returncode}):\n" + text[-3000:])
+    return dict(world=world, ranks=ranks, failed=logs)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes (runs under the interpreter on a CPU)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default="gpu_check.json")
+    p.add_argument("--budget", type=float, default=240.0,
+                   help="seconds after which no further kernel check starts (the workspace check still runs)")
+    p.add_argument("--stage", default="all", choices=["all", "rs", "ag", "pipe", "workspace", "shared"],
+                   help="run one part only (a GPU hang ends its process: run the parts as separate processes)")
+    p.add_argument("--shared", type=int, default=2, metavar="WORLD",
+                   help="ranks (processes) sharing the GPU in the fused-op check (0: skip it)")
+    p.add_argument("--shared-rank", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--shared-world", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.shared_rank is not None:  # one rank of shared_world_check
+        print("SHARED_RESULT " + json.dumps(shared_world_rank(args.shared_rank, args.shared_world, args.port)),
+              flush=True)
+        return
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cpu" and not args.smoke:
         p.error("no CUDA device: run with --smoke (interpreter, tiny shapes) or on a GPU machine")
@@ -276,29 +448,87 @@ def main(argv=None):
         args.reps = 1
     else:  # (M, K, N): Llama-style column-parallel (N = 8192/8, 28672/8) and row-parallel shapes
         shapes = [(8192, 8192, 1024), (8192, 8192, 3584), (16384, 8192, 1024), (8192, 3584, 8192)]
-    wcheck = workspace_check(dev)
-    print(f"workspace ({wcheck['backend']}): {wcheck}", flush=True)
-    rows = []
+    import platform
+    import traceback
+
+    import triton
+    env = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)",
+               torch=torch.__version__, triton=triton.__version__, python=platform.python_version())
+    print(f"gpu_check: {env}", flush=True)
+    out = dict(env=env, rows=[], errors=[], workspace=None, shared=None)
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+    # Each check in turn, each failure recorded and the next one still run (a device lease is
+    # short); the workspace check last, because a kernel that never returns ends the process.
+    if dev.type == "cuda":  # where a hang that no guard covers sits (a tuning loop, say)
+        import faulthandler
+        import sys
+        faulthandler.dump_traceback_later(45, repeat=True, file=sys.stdout)
+    st = args.stage
+    kernels = [("gemm_rs", gemm_rs, lambda M, K, N: (M, K, N), {})] if st in ("all", "rs") else []
+    if st in ("all", "ag"):
+        kernels.append(("ag_gemm", ag_gemm, lambda M, K, N: (M // world, K, N), {}))
+    if st in ("all", "pipe"):
+        kernels.append(("ag_gemm+producer", ag_gemm, lambda M, K, N: (M // world, K, N), dict(pipe=True)))
     t0 = time.time()
-    for M, K, N in shapes:
-        rows.append(ag_gemm(M // world, K, N, world, dtype, dev, args.reps))
-        rows.append(gemm_rs(M, K, N, world, dtype, dev, args.reps))
-        print(f"[{time.time() - t0:5.0f} s] {rows[-2]}\n{' ' * 9}{rows[-1]}", flush=True)
-    print(f"\ndevice: {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu (interpreter)'}, "
-          f"torch {torch.__version__}, bf16, world {world} emulated")
+    for name, fn, shape_args, kw in kernels:
+        for M, K, N in shapes[:1] if kw.get("pipe") else shapes:
+            if time.time() - t0 > args.budget:
+                out["errors"].append(f"{name} {M}x{K}x{N}: skipped, past the {args.budget:.0f} s budget")
+                continue
+            try:
+                row = fn(*shape_args(M, K, N), world, dtype, dev, args.reps, **kw)
+                out["rows"].append(row)
+                print(f"[{time.time() - t0:5.0f} s] {row}", flush=True)
+            except Exception as e:
+                out["errors"].append(f"{name} {M}x{K}x{N}: {type(e).__name__}: {e}")
+                print(f"[{time.time() - t0:5.0f} s] FAIL {name} {M}x{K}x{N}\n{traceback.format_exc()}", flush=True)
+            save()
+    if st in ("all", "workspace"):
+        try:
+            out["workspace"] = wcheck = workspace_check(dev)
+            print(f"workspace ({wcheck['backend']}): {wcheck}", flush=True)
+        except Exception as e:
+            out["errors"].append(f"workspace: {type(e).__name__}: {e}")
+            print(f"FAIL workspace\n{traceback.format_exc()}", flush=True)
+        save()
+    if args.shared and st in ("all", "shared"):
+        out["shared"] = sh = shared_world_check(args.shared)
+        for r in sh["ranks"]:
+            for c in r["cases"]:
+                print(f"shared world {sh['world']} rank {r['rank']}: {c}", flush=True)
+        for f in sh["failed"]:
+            print(f"FAIL shared world: {f}", flush=True)
+        save()
+    rows = out["rows"]
+    print(f"\ndevice: {env['device']}, torch {env['torch']}, triton {env['triton']}, bf16, world {world} emulated")
     print(f"{'kernel':8} {'M':>6} {'K':>6} {'N':>6} {'fused TF/s':>10} {'mm TF/s':>8} {'fused/mm':>8} "
-          f"{'+producer':>9} {'max err':>8}")
+          f"{'+producer':>9} {'max err':>8}  config")
     for r in rows:
         wp = f"{r['tflops_with_producer']:.0f}" if r.get("tflops_with_producer") else "-"
+        c = r["config"]
         print(f"{r['kernel']:8} {r['M']:6} {r['K']:6} {r['N']:6} {r['tflops_fused']:10.1f} {r['tflops_mm']:8.1f} "
-              f"{r['ratio']:8.2f} {wp:>9} {r['max_err']:8.3g}")
-    with open(args.out, "w") as f:
-        json.dump(dict(device=str(dev), torch=torch.__version__, workspace=wcheck, rows=rows), f, indent=1)
-    bad = [r for r in rows if r["max_err"] > 0.02 * max(1.0, r["ref_scale"])]
-    if bad:
-        raise SystemExit(f"numerics: {len(bad)} kernel(s) off the reference by more than 2% of its scale")
-    if not (wcheck["flags_ok"] and wcheck["abort_ok"] and wcheck["max_err"] < 0.05):
-        raise SystemExit(f"workspace check failed: {wcheck}")
+              f"{r['ratio']:8.2f} {wp:>9} {r['max_err']:8.3g}  "
+              f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']}")
+    for e in out["errors"]:
+        print(f"error: {e}")
+    problems = list(out["errors"])
+    problems += [f"{r['kernel']} {r['M']}x{r['K']}x{r['N']}: max err {r['max_err']:.3g} is over 2% of the "
+                 f"reference's scale {r['ref_scale']:.3g}" for r in rows
+                 if r["max_err"] > 0.02 * max(1.0, r["ref_scale"])]
+    w = out["workspace"]
+    if w and not (w["flags_ok"] and w["abort_ok"] and w["max_err"] < 0.05):
+        problems.append(f"workspace check failed: {w}")
+    sh = out["shared"]
+    if sh:
+        problems += [f"shared world: {f.splitlines()[0]}" for f in sh["failed"]]
+        problems += [f"shared world rank {r['rank']}: {c}" for r in sh["ranks"] for c in r["cases"]
+                     if c["max_err"] > 0.02 * max(1.0, c["ref_scale"])]
+    if problems:
+        raise SystemExit("gpu_check: " + "; ".join(problems))
 
 
 if __name__ == "__main__":
