@@ -257,7 +257,7 @@ def workspace_check(dev, timeout: float = 10.0) -> dict:
     cuda = dev.type == "cuda"
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
-                                **({"device_id": dev} if cuda else {}))
+                                **({"device_id": torch.device("cuda", torch.cuda.current_device())} if cuda else {}))
     group = dist.group.WORLD
     dtype = torch.bfloat16
     M, K, N, chunks = (16384, 1024, 1024, 64) if cuda else (64, 32, 32, 4)
@@ -316,6 +316,58 @@ def workspace_check(dev, timeout: float = 10.0) -> dict:
     dog.stop()
     res["abort_after_s"] = round(time.perf_counter() - t, 3)
     res["abort_ok"] = dog.fired and bool(int(ws.abort_word()[0]))
+    print(f"workspace (1) flags, (2) abort: {res}", flush=True)
+    ws.store(ws.abort_word(), 0)
+    finished("clearing the abort word")
+    # (3) the AG copy engine's own work while the grid spins: data chunks copied device to
+    # device, each followed by its flag (fused.all_gather_matmul's producer, one rank)
+    src = torch.randn(M, K, dtype=dtype, device=dev)
+    rows = M // chunks
+
+    def produce(epoch, delay):
+        time.sleep(delay)
+        with ws.on("copy"):
+            for f in range(chunks):
+                a[f * rows:(f + 1) * rows].copy_(src[f * rows:(f + 1) * rows])
+                ws.store(ws.flags()[f:f + 1], epoch)
+
+    a.zero_()
+    epoch = ws.next_epoch()
+    dog = fused._Watchdog(ws, timeout)
+    t = time.perf_counter()
+    th = threading.Thread(target=produce, args=(epoch, 0.2), daemon=True)
+    th.start()
+    consume(epoch)
+    finished("consumer waiting on device-to-device data copies and their flags")
+    th.join()
+    dog.stop()
+    res["data_landed_s"] = round(time.perf_counter() - t, 3)
+    res["data_ok"] = not dog.fired and not int(ws.abort_word()[0])
+    res["data_max_err"] = (out.float() - (src.float() @ b.float())).abs().max().item()
+    print(f"workspace (3) data: {res}", flush=True)
+    # (4) back-to-back calls as the op issues them: fork the copy stream, producer thread, consumer, join
+    consume(epoch)
+    finished("one consumer with every flag up")
+    t = time.perf_counter()
+    consume(epoch)
+    finished("one consumer with every flag up")
+    res["consumer_alone_s"] = round(time.perf_counter() - t, 5)
+    dog = fused._Watchdog(ws, timeout)
+    t = time.perf_counter()
+    n = 10
+    for _ in range(n):
+        epoch = ws.next_epoch()
+        ws.fork("copy")
+        th = threading.Thread(target=produce, args=(epoch, 0.0), daemon=True)
+        th.start()
+        consume(epoch)
+        th.join()
+        ws.join("copy")
+    finished(f"{n} back-to-back producer+consumer calls")
+    dog.stop()
+    res["pipelined_call_s"] = round((time.perf_counter() - t) / n, 5)
+    res["pipelined_ok"] = not dog.fired and not int(ws.abort_word()[0])
+    res["pipelined_max_err"] = (out.float() - (src.float() @ b.float())).abs().max().item()
     symm.release_all()
     dist.destroy_process_group()
     return res
@@ -520,7 +572,8 @@ def main(argv=None):
                  f"reference's scale {r['ref_scale']:.3g}" for r in rows
                  if r["max_err"] > 0.02 * max(1.0, r["ref_scale"])]
     w = out["workspace"]
-    if w and not (w["flags_ok"] and w["abort_ok"] and w["max_err"] < 0.05):
+    if w and not (w["flags_ok"] and w["abort_ok"] and w["data_ok"] and w["pipelined_ok"]
+                  and max(w["max_err"], w["data_max_err"], w["pipelined_max_err"]) < 0.05):
         problems.append(f"workspace check failed: {w}")
     sh = out["shared"]
     if sh:
