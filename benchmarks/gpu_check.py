@@ -107,17 +107,22 @@ def ag_gemm(M_L, K, N, world, dtype, dev, reps, chunks=4, pipe=False):
                                b.stride(0), b.stride(1), out.stride(0), out.stride(1),
                                UPCAST=INTERPRET, PRECISION=prec, **cfg)
 
-    epochs = torch.arange(0, 4096, dtype=torch.int32, device=dev)
+    def store(word, value):
+        # The op's flag store (SymmetricMemory.store): a copy from pinned host memory, which a
+        # copy engine runs, not an SM that the spinning consumer could be holding.
+        if word.device.type == "cpu":
+            word.fill_(value)
+        else:
+            word.copy_(torch.full((1,), value, dtype=torch.int32).pin_memory(), non_blocking=True)
 
     def produce():
-        # Copies only (cudaMemcpyAsync, no kernels): the producer needs no SM that the
-        # spinning consumer could be holding.
+        # Device-to-device data copies, each chunk followed by its flag.
         for c in range(chunks):
             r0, r1 = c * chunk_rows, min(M_L, (c + 1) * chunk_rows)
             for src in range(world):
                 buf[src * M_L + r0: src * M_L + r1].copy_(shards[src][r0:r1])
                 f = src * chunks + c
-                flags[f:f + 1].copy_(epochs[epoch[0]:epoch[0] + 1])
+                store(flags[f:f + 1], epoch[0])
 
     # Data in place, flags up: the GEMM alone, per config.
     epoch[0] = 1
@@ -138,7 +143,8 @@ def ag_gemm(M_L, K, N, world, dtype, dev, reps, chunks=4, pipe=False):
     # With the producer running on a side stream (the consumer waits on its flags).
     t_pipe = None
     if dev.type == "cuda" and pipe:
-        side = torch.cuda.Stream()
+        import threading
+        side, abort_stream = torch.cuda.Stream(), torch.cuda.Stream()
 
         def pipelined():
             epoch[0] += 1
@@ -149,28 +155,31 @@ def ag_gemm(M_L, K, N, world, dtype, dev, reps, chunks=4, pipe=False):
             torch.cuda.current_stream().wait_stream(side)
 
         # If the consumer's spinning tiles ever starved the producer, a host thread raises
-        # the abort word (pinned host memory, visible to the kernel) instead of hanging: the
-        # abort word is the host's for the whole pipelined part, timing included.
-        import threading
-        host_abort = torch.zeros(1, dtype=torch.int32).pin_memory()
-        device_abort, abort = abort, host_abort  # launch() reads `abort` from this scope
+        # the abort word as the op's watchdog does (a pinned copy on a stream of its own).
+        fired = threading.Event()
+
+        def watchdog(done, seconds):
+            if not done.wait(seconds):
+                fired.set()
+                with torch.cuda.stream(abort_stream):
+                    store(abort, 1)
+
         done = threading.Event()
-        threading.Thread(target=lambda: done.wait(20) or host_abort.fill_(1), daemon=True).start()
+        threading.Thread(target=watchdog, args=(done, 20.0), daemon=True).start()
         try:
             out.zero_()
             pipelined()
-            _guard("ag_gemm consumer with the producer on a side stream (host abort after 20 s)", 35)
-            if int(host_abort[0]):
+            _guard("ag_gemm consumer with the producer on a side stream (watchdog abort after 20 s)", 35)
+            if fired.is_set():
                 raise RuntimeError("ag_gemm: the consumer starved the producer (aborted after 20 s)")
             # Numerics of the pipelined call itself (tiles that waited on in-flight chunks).
             err = max(err, (out.float() - ref.float()).abs().max().item())
             t_pipe = _bench(pipelined, reps)
             _guard("timed pipelined ag_gemm calls", 35)
-            if int(host_abort[0]):
+            if fired.is_set():
                 raise RuntimeError("ag_gemm: a timed pipelined call starved its producer (aborted after 20 s)")
         finally:
             done.set()
-            abort = device_abort
     flops = 2 * world * M_L * K * N
     return dict(kernel="ag_gemm", M=world * M_L, K=K, N=N, world=world, max_err=err,
                 ref_scale=ref.float().abs().max().item(), tflops_fused=flops / t_fused / 1e12,
@@ -239,12 +248,14 @@ def gemm_rs(M, K, N, world, dtype, dev, reps):
 
 def workspace_check(dev, timeout: float = 10.0) -> dict:
     """overlapc's symmetric-memory workspace (overlapc/runtime/symm.py) on a group of one rank
-    (nccl and torch's symmetric memory on a GPU; gloo and POSIX shm on the CPU): (1) a
-    consumer grid waits on flags that a host thread raises with ``SymmetricMemory.store``
-    from the copy stream (pinned-memory copies: they must land while the spinning tiles
-    hold the SMs); (2) a consumer waits on a flag nobody raises, and the call's watchdog
-    (``fused._Watchdog``, the abort word via the abort stream) must end it. A kernel that
-    never returns is reported and the process exits, instead of hanging the session."""
+    (nccl and torch's symmetric memory on a GPU; gloo and POSIX shm on the CPU), each part
+    while a consumer grid spins on the workspace's flags: (1) a host thread raises the flags
+    with ``SymmetricMemory.store`` from the copy stream (pinned-memory copies: they must land
+    while the spinning tiles hold the SMs); (2) the AG copy engine's own work: device-to-device
+    data chunks, each followed by its flag; (3) ten back-to-back calls issued as the op issues
+    them; (4) nobody raises the flags, and the call's watchdog (``fused._Watchdog``, the abort
+    word via the abort stream) must end the grid. A kernel that never returns is reported and
+    the process exits, instead of hanging the session."""
     import os
     import threading
 
@@ -307,19 +318,8 @@ def workspace_check(dev, timeout: float = 10.0) -> dict:
     res["flags_landed_s"] = round(time.perf_counter() - t, 3)
     res["flags_ok"] = not dog.fired and not int(ws.abort_word()[0])
     res["max_err"] = (out.float() - (a.float() @ b.float())).abs().max().item()
-    # (2) nobody raises the flags: the watchdog's abort must end the grid
-    epoch = ws.next_epoch()
-    dog = fused._Watchdog(ws, 1.0)
-    t = time.perf_counter()
-    consume(epoch)
-    finished("consumer waiting for the watchdog's abort")
-    dog.stop()
-    res["abort_after_s"] = round(time.perf_counter() - t, 3)
-    res["abort_ok"] = dog.fired and bool(int(ws.abort_word()[0]))
-    print(f"workspace (1) flags, (2) abort: {res}", flush=True)
-    ws.store(ws.abort_word(), 0)
-    finished("clearing the abort word")
-    # (3) the AG copy engine's own work while the grid spins: data chunks copied device to
+    print(f"workspace (1) flags: {res}", flush=True)
+    # (2) the AG copy engine's own work while the grid spins: data chunks copied device to
     # device, each followed by its flag (fused.all_gather_matmul's producer, one rank)
     src = torch.randn(M, K, dtype=dtype, device=dev)
     rows = M // chunks
@@ -344,8 +344,8 @@ def workspace_check(dev, timeout: float = 10.0) -> dict:
     res["data_landed_s"] = round(time.perf_counter() - t, 3)
     res["data_ok"] = not dog.fired and not int(ws.abort_word()[0])
     res["data_max_err"] = (out.float() - (src.float() @ b.float())).abs().max().item()
-    print(f"workspace (3) data: {res}", flush=True)
-    # (4) back-to-back calls as the op issues them: fork the copy stream, producer thread, consumer, join
+    print(f"workspace (2) data: {res}", flush=True)
+    # (3) back-to-back calls as the op issues them: fork the copy stream, producer thread, consumer, join
     consume(epoch)
     finished("one consumer with every flag up")
     t = time.perf_counter()
@@ -368,24 +368,35 @@ def workspace_check(dev, timeout: float = 10.0) -> dict:
     res["pipelined_call_s"] = round((time.perf_counter() - t) / n, 5)
     res["pipelined_ok"] = not dog.fired and not int(ws.abort_word()[0])
     res["pipelined_max_err"] = (out.float() - (src.float() @ b.float())).abs().max().item()
+    print(f"workspace (3) back-to-back: {res}", flush=True)
+    # (4), last (if it hangs, nothing after it runs): nobody raises the flags, and the
+    # watchdog's abort must end the grid
+    epoch = ws.next_epoch()
+    dog = fused._Watchdog(ws, 1.0)
+    t = time.perf_counter()
+    consume(epoch)
+    finished("consumer waiting for the watchdog's abort")
+    dog.stop()
+    res["abort_after_s"] = round(time.perf_counter() - t, 3)
+    res["abort_ok"] = dog.fired and bool(int(ws.abort_word()[0]))
     symm.release_all()
     dist.destroy_process_group()
     return res
 
 
-def shared_world_rank(rank: int, world: int, port: int) -> dict:
-    """One rank of ``shared_world_check``: the fused ops themselves
+def fused_ops_rank(rank: int, world: int, port: int) -> dict:
+    """One rank of ``fused_ops_check``: the fused ops themselves
     (``overlapc/runtime/fused.py``: the workspace rendezvous, the copy engine's thread and
     stream, pinned-memory stores into peers' signal words, done words, the watchdog) between
     processes. Every operand is made from a seed, so each rank computes the reference
-    locally, without a collective (NCCL refuses two ranks on one GPU; the workspace needs none)."""
+    locally, without a collective."""
     import torch.distributed as dist
 
     from overlapc.kernels.gemm import configs
     from overlapc.runtime import fused, symm
 
     cuda = torch.cuda.is_available()
-    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -424,7 +435,7 @@ def shared_world_rank(rank: int, world: int, port: int) -> dict:
                 parts = [operand(10 * r + i, *shape, dtype=dtype) for r in range(world)]
                 M_O = parts[0].numel() // K // world
                 cfg = configs(M_O, N, K)[-1]
-                fused._TUNED[("rs", M_O, N, K, dtype, dev.type)] = cfg  # the autotuner's all-reduce needs NCCL
+                fused._TUNED[("rs", M_O, N, K, dtype, dev.type)] = cfg  # no autotuning: the handshake is checked
                 ref = sum(p.float() @ b.float() for p in parts).chunk(world, d)[rank]
                 errs = []
                 for call in range(2):
@@ -438,10 +449,17 @@ def shared_world_rank(rank: int, world: int, port: int) -> dict:
     return res
 
 
-def shared_world_check(world: int = 2, timeout: float = 60.0) -> dict:
-    """``world`` processes on one GPU run the fused ops against each other (no multi-GPU
-    machine was lent: this is the only run of the ops' CUDA path across processes). Each
-    rank is a subprocess; all are killed after ``timeout`` seconds."""
+def fused_ops_check(world: int = 2, timeout: float = 60.0) -> dict:
+    """``world`` processes, one per GPU (on the CPU: gloo and POSIX shared memory), run the
+    fused ops against each other: the ops' own path across processes, which the emulated
+    peers above do not take. Each rank is a subprocess; all are killed after ``timeout``
+    seconds. Torch's symmetric memory refuses two ranks on one GPU ("detected allocations
+    from overlapping devices from different ranks", torch 2.11), so with fewer GPUs than
+    ranks the check is skipped."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < world:
+        return dict(world=world, ranks=[], failed=[],
+                    skipped=f"{torch.cuda.device_count()} GPU(s) for {world} ranks: torch's symmetric memory "
+                            "takes one rank per GPU")
     import socket
     import subprocess
     import sys
@@ -449,8 +467,8 @@ def shared_world_check(world: int = 2, timeout: float = 60.0) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.gpu_check", "--shared-rank", str(r),
-                               "--shared-world", str(world), "--port", str(port)],
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.gpu_check", "--ops-rank", str(r),
+                               "--ops-world", str(world), "--port", str(port)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     deadline = time.monotonic() + timeout
     outs = []
@@ -463,9 +481,9 @@ def shared_world_check(world: int = 2, timeout: float = 60.0) -> dict:
             outs.append(p.communicate()[0] + f"\n(killed after {timeout:.0f} s)")
     ranks, logs = [], []
     for r, (p, text) in enumerate(zip(procs, outs)):
-        line = [t for t in text.splitlines() if t.startswith("SHARED_RESULT ")]
+        line = [t for t in text.splitlines() if t.startswith("OPS_RESULT ")]
         if p.returncode == 0 and line:
-            ranks.append(json.loads(line[-1][len("SHARED_RESULT "):]))
+            ranks.append(json.loads(line[-1][len("OPS_RESULT "):]))
         else:
             logs.append(f"rank {r} (exit {p.returncode}):\n" + text[-3000:])
     return dict(world=world, ranks=ranks, failed=logs)
@@ -478,16 +496,16 @@ def main(argv=None):
     p.add_argument("--out", default="gpu_check.json")
     p.add_argument("--budget", type=float, default=240.0,
                    help="seconds after which no further kernel check starts (the workspace check still runs)")
-    p.add_argument("--stage", default="all", choices=["all", "rs", "ag", "pipe", "workspace", "shared"],
+    p.add_argument("--stage", default="all", choices=["all", "rs", "ag", "pipe", "workspace", "ops"],
                    help="run one part only (a GPU hang ends its process: run the parts as separate processes)")
-    p.add_argument("--shared", type=int, default=2, metavar="WORLD",
-                   help="ranks (processes) sharing the GPU in the fused-op check (0: skip it)")
-    p.add_argument("--shared-rank", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--shared-world", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--ops", type=int, default=2, metavar="WORLD",
+                   help="ranks (processes, one GPU each) of the fused-op check (0: skip it)")
+    p.add_argument("--ops-rank", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--ops-world", type=int, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.shared_rank is not None:  # one rank of shared_world_check
-        print("SHARED_RESULT " + json.dumps(shared_world_rank(args.shared_rank, args.shared_world, args.port)),
+    if args.ops_rank is not None:  # one rank of fused_ops_check
+        print("OPS_RESULT " + json.dumps(fused_ops_rank(args.ops_rank, args.ops_world, args.port)),
               flush=True)
         return
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -507,7 +525,7 @@ def main(argv=None):
     env = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)",
                torch=torch.__version__, triton=triton.__version__, python=platform.python_version())
     print(f"gpu_check: {env}", flush=True)
-    out = dict(env=env, rows=[], errors=[], workspace=None, shared=None)
+    out = dict(env=env, rows=[], errors=[], workspace=None, ops=None)
 
     def save():
         with open(args.out, "w") as f:
@@ -547,13 +565,15 @@ def main(argv=None):
             out["errors"].append(f"workspace: {type(e).__name__}: {e}")
             print(f"FAIL workspace\n{traceback.format_exc()}", flush=True)
         save()
-    if args.shared and st in ("all", "shared"):
-        out["shared"] = sh = shared_world_check(args.shared)
+    if args.ops and st in ("all", "ops"):
+        out["ops"] = sh = fused_ops_check(args.ops)
+        if sh.get("skipped"):
+            print(f"fused ops world skipped: {sh['skipped']}", flush=True)
         for r in sh["ranks"]:
             for c in r["cases"]:
-                print(f"shared world {sh['world']} rank {r['rank']}: {c}", flush=True)
+                print(f"fused ops world {sh['world']} rank {r['rank']}: {c}", flush=True)
         for f in sh["failed"]:
-            print(f"FAIL shared world: {f}", flush=True)
+            print(f"FAIL fused ops world: {f}", flush=True)
         save()
     rows = out["rows"]
     print(f"\ndevice: {env['device']}, torch {env['torch']}, triton {env['triton']}, bf16, world {world} emulated")
@@ -575,10 +595,10 @@ def main(argv=None):
     if w and not (w["flags_ok"] and w["abort_ok"] and w["data_ok"] and w["pipelined_ok"]
                   and max(w["max_err"], w["data_max_err"], w["pipelined_max_err"]) < 0.05):
         problems.append(f"workspace check failed: {w}")
-    sh = out["shared"]
+    sh = out["ops"]
     if sh:
-        problems += [f"shared world: {f.splitlines()[0]}" for f in sh["failed"]]
-        problems += [f"shared world rank {r['rank']}: {c}" for r in sh["ranks"] for c in r["cases"]
+        problems += [f"fused ops world: {f.splitlines()[0]}" for f in sh["failed"]]
+        problems += [f"fused ops world rank {r['rank']}: {c}" for r in sh["ranks"] for c in r["cases"]
                      if c["max_err"] > 0.02 * max(1.0, c["ref_scale"])]
     if problems:
         raise SystemExit("gpu_check: " + "; ".join(problems))
