@@ -465,3 +465,28 @@ def test_auto_fuses_where_the_model_says_it_pays(fake_mesh8, tmp_path):
         assert cpu[n].status == "rewritten" and p["strategy"] == "fuse" and p["best_ms"] == p["fused_ms"]
     # The CPU profiles price no fused kernels (they run in Triton's interpreter): never fused.
     assert all(s.strategy != "fuse" for s in plan("cpu-default").values())
+
+
+def test_gpu_check_smoke_runs_every_part(tmp_path):
+    """benchmarks/gpu_check.py is the only check of the kernels on a GPU, run when a device is
+    lent: its every part (kernel rates, the workspace handshake and abort, the fused ops between
+    processes) must still run, here on the CPU with tiny shapes, so a lent device is not spent
+    on a broken script."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "gc.json"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--smoke", "--out", str(out)], cwd=root,
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["errors"] == []
+    assert sorted(r["kernel"] for r in res["rows"]) == ["ag_gemm", "ag_gemm", "gemm_rs"]
+    w = res["workspace"]
+    assert w["flags_ok"] and w["data_ok"] and w["pipelined_ok"] and w["abort_ok"], w
+    ops = res["ops"]
+    assert ops["failed"] == [] and len(ops["ranks"]) == 2
+    for r in ops["ranks"]:
+        assert r["fused_calls"] == 16  # 4 cases x 2 dtypes x 2 calls, none fell back to the plain ops
+        assert all(c["max_err"] <= 0.02 * max(1.0, c["ref_scale"]) for c in r["cases"]), r["cases"]
