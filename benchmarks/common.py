@@ -70,7 +70,14 @@ def strip_collectives(gm: torch.fx.GraphModule) -> None:
                 rows = coll.args[1][0]
                 for s in coll.args[1][1:]:
                     rows = b.call(operator.add, rows, s)
-                local = b.call(ops.aten.new_zeros.default, x, [rows, *ops.shape(x)[1:]])
+                # aten.full, not new_zeros: under inductor this pass runs after its
+                # decompositions, which turn new_zeros into full (a fallback for it is refused).
+                # full alone would not read x, and dead-code elimination would then drop the
+                # GEMM that made x (the experts' down projection): x is read once, added as 0.
+                val = x.meta["val"]
+                zeros = b.call(ops.aten.full.default, [rows, *ops.shape(x)[1:]], 0, dtype=val.dtype, device=val.device)
+                keep = b.call(ops.aten.mul.Tensor, b.call(ops.aten.sum.default, x), 0)
+                local = b.call(ops.aten.add.Tensor, zeros, keep)
             else:
                 continue
         wait.replace_all_uses_with(local)
