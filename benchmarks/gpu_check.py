@@ -1,29 +1,31 @@
 """GPU check of the fused kernels on one device, peers emulated as separate buffers.
 
-    python -m benchmarks.gpu_check                  # on a CUDA machine: numerics + TFLOP/s, < 5 min
-    python -m benchmarks.gpu_check --smoke          # anywhere (CPU: Triton interpreter, tiny shapes)
+    python -m benchmarks.gpu_check --stage workspace   # on a CUDA machine, one part per process:
+    python -m benchmarks.gpu_check --stage pipe        #   a kernel that never returns wedges the
+    python -m benchmarks.gpu_check --stage ag          #   GPU context, so a hang in one part
+    python -m benchmarks.gpu_check --stage rs          #   must not cost the others (~30 s each)
+    python -m benchmarks.gpu_check --smoke             # anywhere, every part (CPU: interpreter, tiny shapes)
 
-For each bf16 LLM shape (M = world * M_L gathered rows, K, N = the local slice of a
-column-parallel weight) it checks:
+Parts (``--stage``; ``all``, the default, runs them in one process):
 
-- AllGather+GEMM (``ag_gemm_consumer``): the gathered buffer is filled chunk by chunk from
-  ``world`` separate "peer" shards by a producer on a side stream (copy, then a flag write),
-  while the consumer GEMM on the main stream waits on the flags. Numerics against
-  ``torch.cat(shards) @ B``; TFLOP/s with the flags already up (the GEMM alone: its
-  efficiency against torch.mm is the target, >= 90%), and with the producer running.
-- GEMM+ReduceScatter (``gemm_rs_producer`` + ``rs_reduce_consumer``): rank 0's producer
-  writes its tiles into ``world`` separate "owner" buffers (pointer tables) and raises
-  their flags; the other sources' partials of rank 0's rows are pre-filled with their
-  flags up, so the consumer reduces ``world`` partials. Numerics against the sum of
-  partial GEMMs; TFLOP/s of the producer GEMM against torch.mm of the same shape.
+- ``rs``: GEMM+ReduceScatter. Rank 0's producer (``gemm_rs_producer``) writes its tiles into
+  ``world`` separate "owner" buffers (pointer tables) and raises their flags; the other
+  sources' partials of rank 0's rows are pre-filled with their flags up, so the consumer
+  (``rs_reduce_consumer``) reduces ``world`` partials. Numerics against the sum of partial
+  GEMMs; TFLOP/s of the producer against torch.mm of the same shape (target >= 90%).
+- ``ag``: AllGather+GEMM consumer (``ag_gemm_consumer``) with every chunk's flag up (the
+  GEMM alone): numerics against ``torch.cat(shards) @ B``, TFLOP/s against torch.mm.
+- ``pipe``: the same consumer while a producer on a side stream fills the gathered buffer
+  chunk by chunk (device-to-device copies, each followed by its flag, stored as the op
+  stores them: a pinned copy); a watchdog raises the abort word if it starves.
+- ``workspace``: overlapc's symmetric-memory workspace on a one-rank group (torch's
+  symmetric memory on a GPU), see ``workspace_check``.
+- ``ops``: the fused ops themselves between processes, one GPU each (skipped with fewer).
 
-First, the symmetric-memory workspace itself on a group of one rank (``workspace_check``:
-torch's symmetric memory on a GPU): host-raised flags must reach a spinning consumer grid,
-and the watchdog's abort must end one that waits forever.
-
-Block sizes: every candidate of ``overlapc.kernels.gemm.configs`` is timed per shape and
-the best kept (autotuning, keyed on M, N, K). Prints a table and writes JSON to
-``--out`` (default: gpu_check.json).
+Every M x N x K: M = world * M_L gathered rows, K, N = the local slice of a column-parallel
+weight, bf16 LLM shapes. Block sizes: every candidate of ``overlapc.kernels.gemm.configs``
+is timed per shape and the best kept. Prints a table and writes JSON to ``--out``
+(default: gpu_check.json). Measured on one H100: BENCHMARKS.md, "Fused kernels on one H100".
 """
 from __future__ import annotations
 

@@ -34,6 +34,10 @@ import time
 import torch
 import torch.distributed as dist
 
+# torch 2.13 deprecates reduce_scatter_tensor (a FutureWarning per call) for
+# reduce_scatter_single, same signature; torch 2.11 has only the former.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 GEMM_SIZES = [(128, 256, 256), (256, 512, 512), (512, 1024, 1024), (1024, 1024, 1024)]
 ROWS = ((32, 64, 128, 256, 512), 1024, 2048, 4)
 """(rows M, K, N, batch): one weight (``batch`` of them for bmm) applied to M rows, for the
@@ -269,7 +273,7 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
         curves["all_gather"].append([nbytes, round(t_ag / k, 9)])
         curves["all_to_all"].append([world * nbytes, round(t_a2a / k, 9)])
         if nbytes in COMM_BYTES[-2:]:  # the reduce-scatter factor is taken from the largest two
-            t_rs = _comm_time(lambda: dist.reduce_scatter_tensor(x, out, group=group), group, reps)
+            t_rs = _comm_time(lambda: _reduce_scatter(x, out, group=group), group, reps)
             ratio.append((t_rs, world * nbytes))
     # Bandwidth from the large transfers (a least-squares intercept over all sizes would be
     # dominated by the large ones and is often negative: latency is measured on its own).
@@ -293,7 +297,7 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
 
     def tiny_rs_seq():
         for _ in range(16):
-            dist.reduce_scatter_tensor(tiny_rs, tiny_out, group=group)
+            _reduce_scatter(tiny_rs, tiny_out, group=group)
     load_a, load_b = torch.randn(256, 512), torch.randn(512, 512)
     loaded_latency = {kind: round(_loaded_latency(seq, load_a, load_b, group, 2 * reps), 2)
                       for kind, seq in (("all_gather", tiny_seq), ("reduce_scatter", tiny_rs_seq))}
@@ -307,7 +311,7 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
     # 3000 Mbit/s, 1.1x at 1000): its excess over the formula, priced from the largest fitted
     # size up (chunks, smaller, are not affected).
     x_big, in_big = torch.empty(RS_BIG // 4 // world), torch.empty(RS_BIG // 4)
-    t_big = _comm_time(lambda: dist.reduce_scatter_tensor(x_big, in_big, group=group), group, max(3, reps // 2))
+    t_big = _comm_time(lambda: _reduce_scatter(x_big, in_big, group=group), group, max(3, reps // 2))
     b_fit = max(b for _, b in ratio)
     rs_large = [[b_fit, 0.0], [RS_BIG, round(max(0.0, t_big - rs_factor * ring(RS_BIG)), 9)]]
     # Per chunk, the rewritten graph also runs a few more small ops (slice, view, cat part).
@@ -335,7 +339,7 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
         return dist.all_gather_into_tensor(big_out, big, group=group, async_op=True)
 
     def rs_op():
-        return dist.reduce_scatter_tensor(big, rs_in, group=group, async_op=True)
+        return _reduce_scatter(big, rs_in, group=group, async_op=True)
     loss = _pair_loss(ag, a, b, max(1, round(ys[-1] / t_mm)), group, reps)
     comm_loss = {"all_gather": _pair_loss(ag, a, b, max(1, round(0.5 * ys[-1] / t_mm)), group, reps),
                  "reduce_scatter": _pair_loss(rs_op, a, b, max(1, round(0.5 * ratio[-1][0] / t_mm)), group, reps)}
