@@ -73,10 +73,11 @@ def strip_collectives(gm: torch.fx.GraphModule) -> None:
                 # aten.full, not new_zeros: under inductor this pass runs after its
                 # decompositions, which turn new_zeros into full (a fallback for it is refused).
                 # full alone would not read x, and dead-code elimination would then drop the
-                # GEMM that made x (the experts' down projection): x is read once, added as 0.
+                # GEMM that made x (the experts' down projection): x is read once (summed in
+                # fp32, no fp16 overflow), added as 0. A timing stand-in: its values are not used.
                 val = x.meta["val"]
                 zeros = b.call(ops.aten.full.default, [rows, *ops.shape(x)[1:]], 0, dtype=val.dtype, device=val.device)
-                keep = b.call(ops.aten.mul.Tensor, b.call(ops.aten.sum.default, x), 0)
+                keep = b.call(ops.aten.mul.Tensor, b.call(ops.aten.sum.default, x, dtype=torch.float32), 0)
                 local = b.call(ops.aten.add.Tensor, zeros, keep)
             else:
                 continue

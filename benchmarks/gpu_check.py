@@ -48,23 +48,50 @@ def _bench(fn, reps: int) -> float:
     return _median(fn, reps)
 
 
-def _guard(what: str, seconds: float) -> None:
-    """Wait for the device to finish, at most ``seconds``: a kernel that never returns wedges
-    the GPU context, so the process reports what hung (and every thread's stack) and exits."""
-    if not torch.cuda.is_available():
-        return
+def _fail_exit(what: str) -> None:
+    """Report what never finished, with every thread's stack, and end the process (a kernel
+    that never returns wedges the GPU context: nothing after it could run anyway)."""
     import faulthandler
     import os
     import sys
+    print(f"FAIL {what}", flush=True)
+    faulthandler.dump_traceback(sys.stdout, all_threads=True)
+    sys.stdout.flush()
+    os._exit(3)
+
+
+def _guard(what: str, seconds: float) -> None:
+    """Wait for the device to finish, at most ``seconds``, else ``_fail_exit``."""
+    if not torch.cuda.is_available():
+        return
     import threading
     waiter = threading.Thread(target=torch.cuda.synchronize, daemon=True)
     waiter.start()
     waiter.join(seconds)
     if waiter.is_alive():
-        print(f"FAIL {what}: the device did not finish in {seconds:.0f} s", flush=True)
-        faulthandler.dump_traceback(sys.stdout, all_threads=True)
-        sys.stdout.flush()
-        os._exit(3)
+        _fail_exit(f"{what}: the device did not finish in {seconds:.0f} s")
+
+
+class _deadline:
+    """Context: ``_fail_exit`` if the block (which may wait on the device inside a library,
+    e.g. ``do_bench``'s own synchronize) has not ended after ``seconds``."""
+
+    def __init__(self, what: str, seconds: float):
+        import threading
+        self._t = threading.Timer(seconds, _fail_exit, args=(f"{what}: not done after {seconds:.0f} s",))
+        self._t.daemon = True
+
+    def __enter__(self):
+        self._t.start()
+
+    def __exit__(self, *exc):
+        self._t.cancel()
+
+
+def _join(th, what: str, seconds: float) -> None:
+    th.join(seconds)
+    if th.is_alive():
+        _fail_exit(f"{what}: the producer thread did not finish in {seconds:.0f} s")
 
 
 def _tune(make, cands, reps) -> list[tuple[float, dict]]:
@@ -73,7 +100,8 @@ def _tune(make, cands, reps) -> list[tuple[float, dict]]:
     timed, errors = [], []
     for c in cands:
         try:
-            timed.append((_bench(make(c), reps), c))
+            with _deadline(f"timing config {c}", 60):
+                timed.append((_bench(make(c), reps), c))
         except Exception as e:  # e.g. a tile that needs more shared memory than the device has
             errors.append(f"{c}: {type(e).__name__}: {str(e)[:200]}")
             timed.append((float("inf"), c))
@@ -132,62 +160,78 @@ def ag_gemm(M_L, K, N, world, dtype, dev, reps, chunks=4, pipe=False):
     cands = configs(world * M_L, N, K)
     launch(cands[-1])
     _guard(f"ag_gemm consumer {world * M_L}x{K}x{N} with every flag already up", 30)
-    if pipe:  # one mid-sized config, no tuning: this part checks the producer-consumer handshake
-        cfg = cands[min(2, len(cands) - 1)]
-        timed = [(float("inf"), cfg)]
-    else:
-        timed = _tune(lambda c: (lambda: launch(c)), cands, reps)
-    t_fused, cfg = min(timed, key=lambda x: x[0])
     ref = torch.cat(shards) @ b
+    flops = 2 * world * M_L * K * N
+    if pipe:
+        return _ag_pipelined(launch, produce, store, cands[min(2, len(cands) - 1)], buf, out, abort, epoch, ref,
+                             flops, dev, reps, dict(M=world * M_L, K=K, N=N, world=world))
+    timed = _tune(lambda c: (lambda: launch(c)), cands, reps)
+    t_fused, cfg = min(timed, key=lambda x: x[0])
+    out.zero_()  # the checked result is this config's, not an earlier candidate's
     launch(cfg)
     err = (out.float() - ref.float()).abs().max().item()
-    t_mm = _bench(lambda: torch.mm(buf, b), reps)
-    # With the producer running on a side stream (the consumer waits on its flags).
-    t_pipe = None
-    if dev.type == "cuda" and pipe:
-        import threading
-        side, abort_stream = torch.cuda.Stream(), torch.cuda.Stream()
+    with _deadline("timing torch.mm", 60):
+        t_mm = _bench(lambda: torch.mm(buf, b), reps)
+    return dict(kernel="ag_gemm", M=world * M_L, K=K, N=N, world=world, max_err=err,
+                ref_scale=ref.float().abs().max().item(), tflops_fused=flops / t_fused / 1e12,
+                tflops_mm=flops / t_mm / 1e12, ratio=t_mm / t_fused, tflops_with_producer=None, config=cfg,
+                per_config=_per_config(timed, flops))
 
-        def pipelined():
-            epoch[0] += 1
+
+def _ag_pipelined(launch, produce, store, cfg, buf, out, abort, epoch, ref, flops, dev, reps, shape) -> dict:
+    """The AG consumer while a producer fills the gathered buffer chunk by chunk (on a GPU:
+    on a side stream; on the CPU: in a thread, the consumer running under the interpreter in
+    this one). A watchdog raises the abort word, as the op's does, if the consumer starves."""
+    import threading
+    cuda = dev.type == "cuda"
+    side, abort_stream = (torch.cuda.Stream(), torch.cuda.Stream()) if cuda else (None, None)
+
+    def pipelined():
+        epoch[0] += 1
+        if cuda:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 produce()
             launch(cfg)
             torch.cuda.current_stream().wait_stream(side)
+        else:
+            th = threading.Thread(target=produce, daemon=True)
+            th.start()
+            launch(cfg)
+            _join(th, "ag_gemm producer", 60)
 
-        # If the consumer's spinning tiles ever starved the producer, a host thread raises
-        # the abort word as the op's watchdog does (a pinned copy on a stream of its own).
-        fired = threading.Event()
+    fired, done = threading.Event(), threading.Event()
 
-        def watchdog(done, seconds):
-            if not done.wait(seconds):
-                fired.set()
+    def watchdog(seconds):
+        if not done.wait(seconds):
+            fired.set()
+            if cuda:
                 with torch.cuda.stream(abort_stream):
                     store(abort, 1)
+            else:
+                store(abort, 1)
 
-        done = threading.Event()
-        threading.Thread(target=watchdog, args=(done, 20.0), daemon=True).start()
-        try:
-            out.zero_()
-            pipelined()
-            _guard("ag_gemm consumer with the producer on a side stream (watchdog abort after 20 s)", 35)
-            if fired.is_set():
-                raise RuntimeError("ag_gemm: the consumer starved the producer (aborted after 20 s)")
-            # Numerics of the pipelined call itself (tiles that waited on in-flight chunks).
-            err = max(err, (out.float() - ref.float()).abs().max().item())
+    threading.Thread(target=watchdog, args=(20.0,), daemon=True).start()
+    try:
+        # Stale data must not pass: the buffer and the output are cleared first, so a tile
+        # that did not wait for its chunk reads zeros.
+        buf.zero_()
+        out.zero_()
+        pipelined()
+        _guard("ag_gemm consumer with the producer on a side stream (watchdog abort after 20 s)", 35)
+        if fired.is_set():
+            raise RuntimeError("ag_gemm: the consumer starved the producer (aborted after 20 s)")
+        err = (out.float() - ref.float()).abs().max().item()
+        with _deadline("timed pipelined ag_gemm calls", 35):
             t_pipe = _bench(pipelined, reps)
-            _guard("timed pipelined ag_gemm calls", 35)
-            if fired.is_set():
-                raise RuntimeError("ag_gemm: a timed pipelined call starved its producer (aborted after 20 s)")
-        finally:
-            done.set()
-    flops = 2 * world * M_L * K * N
-    return dict(kernel="ag_gemm", M=world * M_L, K=K, N=N, world=world, max_err=err,
-                ref_scale=ref.float().abs().max().item(), tflops_fused=flops / t_fused / 1e12,
-                tflops_mm=flops / t_mm / 1e12, ratio=t_mm / t_fused,
-                tflops_with_producer=(flops / t_pipe / 1e12) if t_pipe else None, config=cfg,
-                per_config=_per_config(timed, flops))
+        _guard("timed pipelined ag_gemm calls", 35)
+        if fired.is_set():
+            raise RuntimeError("ag_gemm: a timed pipelined call starved its producer (aborted after 20 s)")
+    finally:
+        done.set()
+    return dict(kernel="ag_gemm+producer", **shape, max_err=err, ref_scale=ref.float().abs().max().item(),
+                tflops_fused=None, tflops_mm=None, ratio=None, tflops_with_producer=flops / t_pipe / 1e12,
+                config=cfg, per_config=[])
 
 
 def gemm_rs(M, K, N, world, dtype, dev, reps):
@@ -208,6 +252,9 @@ def gemm_rs(M, K, N, world, dtype, dev, reps):
         sigs = [torch.zeros(world * tiles, dtype=torch.int32, device=dev) for _ in range(world)]
         sig_table = torch.tensor([s.data_ptr() for s in sigs], dtype=torch.int64, device=dev)
         if reduce:  # the other sources' partials of rank 0's rows have arrived
+            for o in owners:  # the tuning runs wrote every slot: the checked run starts clean
+                o.zero_()
+            out.zero_()
             partials = []
             for src in range(1, world):
                 p = torch.randn(M_O, N, dtype=dtype, device=dev)
@@ -241,7 +288,8 @@ def gemm_rs(M, K, N, world, dtype, dev, reps):
     # Each owner received the right rows of rank 0's GEMM.
     for w, o in enumerate(owners):
         err = max(err, (o[:M_O].float() - full[w * M_O:(w + 1) * M_O]).abs().max().item())
-    t_mm = _bench(lambda: torch.mm(a, b), reps)
+    with _deadline("timing torch.mm", 60):
+        t_mm = _bench(lambda: torch.mm(a, b), reps)
     flops = 2 * M * K * N
     return dict(kernel="gemm_rs", M=M, K=K, N=N, world=world, max_err=err, ref_scale=ref.abs().max().item(),
                 tflops_fused=flops / t_fused / 1e12, tflops_mm=flops / t_mm / 1e12, ratio=t_mm / t_fused,
@@ -254,7 +302,7 @@ def workspace_check(dev, timeout: float = 10.0) -> dict:
     while a consumer grid spins on the workspace's flags: (1) a host thread raises the flags
     with ``SymmetricMemory.store`` from the copy stream (pinned-memory copies: they must land
     while the spinning tiles hold the SMs); (2) the AG copy engine's own work: device-to-device
-    data chunks, each followed by its flag; (3) ten back-to-back calls issued as the op issues
+    data chunks, each followed by its flag; (3) nine back-to-back calls issued as the op issues
     them; (4) nobody raises the flags, and the call's watchdog (``fused._Watchdog``, the abort
     word via the abort stream) must end the grid. A kernel that never returns is reported and
     the process exits, instead of hanging the session."""
@@ -306,16 +354,18 @@ def workspace_check(dev, timeout: float = 10.0) -> dict:
     epoch = ws.next_epoch()
     dog = fused._Watchdog(ws, timeout)
 
-    def raise_flags():
+    def raise_flags(epoch):
         time.sleep(0.2)
         with ws.on("copy"):
             for f in range(chunks):
                 ws.store(ws.flags()[f:f + 1], epoch)
 
     t = time.perf_counter()
-    threading.Thread(target=raise_flags, daemon=True).start()
+    th = threading.Thread(target=raise_flags, args=(epoch,), daemon=True)
+    th.start()
     consume(epoch)
     finished("consumer waiting on host-raised flags")
+    _join(th, "raising flags", 30)
     dog.stop()
     res["flags_landed_s"] = round(time.perf_counter() - t, 3)
     res["flags_ok"] = not dog.fired and not int(ws.abort_word()[0])
@@ -323,10 +373,13 @@ def workspace_check(dev, timeout: float = 10.0) -> dict:
     print(f"workspace (1) flags: {res}", flush=True)
     # (2) the AG copy engine's own work while the grid spins: data chunks copied device to
     # device, each followed by its flag (fused.all_gather_matmul's producer, one rank)
-    src = torch.randn(M, K, dtype=dtype, device=dev)
+    # Every check starts from a cleared buffer and output (a tile that read before its
+    # chunk landed reads zeros), and successive calls copy different sources.
+    srcs = [torch.randn(M, K, dtype=dtype, device=dev) for _ in range(2)]
+    src = srcs[0]
     rows = M // chunks
 
-    def produce(epoch, delay):
+    def produce(epoch, delay, src):
         time.sleep(delay)
         with ws.on("copy"):
             for f in range(chunks):
@@ -334,14 +387,17 @@ def workspace_check(dev, timeout: float = 10.0) -> dict:
                 ws.store(ws.flags()[f:f + 1], epoch)
 
     a.zero_()
+    out.zero_()
+    ws.fork("copy")  # the copies come after the clearing
     epoch = ws.next_epoch()
     dog = fused._Watchdog(ws, timeout)
     t = time.perf_counter()
-    th = threading.Thread(target=produce, args=(epoch, 0.2), daemon=True)
+    th = threading.Thread(target=produce, args=(epoch, 0.2, src), daemon=True)
     th.start()
     consume(epoch)
     finished("consumer waiting on device-to-device data copies and their flags")
-    th.join()
+    _join(th, "the data copies", 30)
+    ws.join("copy")
     dog.stop()
     res["data_landed_s"] = round(time.perf_counter() - t, 3)
     res["data_ok"] = not dog.fired and not int(ws.abort_word()[0])
@@ -354,22 +410,24 @@ def workspace_check(dev, timeout: float = 10.0) -> dict:
     consume(epoch)
     finished("one consumer with every flag up")
     res["consumer_alone_s"] = round(time.perf_counter() - t, 5)
+    a.zero_()
+    out.zero_()
     dog = fused._Watchdog(ws, timeout)
     t = time.perf_counter()
-    n = 10
-    for _ in range(n):
+    n = 9  # odd: the last call copies srcs[0], the one before srcs[1]
+    for i in range(n):
         epoch = ws.next_epoch()
         ws.fork("copy")
-        th = threading.Thread(target=produce, args=(epoch, 0.0), daemon=True)
+        th = threading.Thread(target=produce, args=(epoch, 0.0, srcs[i % 2]), daemon=True)
         th.start()
         consume(epoch)
-        th.join()
+        _join(th, f"back-to-back call {i}'s copies", 30)
         ws.join("copy")
     finished(f"{n} back-to-back producer+consumer calls")
     dog.stop()
     res["pipelined_call_s"] = round((time.perf_counter() - t) / n, 5)
     res["pipelined_ok"] = not dog.fired and not int(ws.abort_word()[0])
-    res["pipelined_max_err"] = (out.float() - (src.float() @ b.float())).abs().max().item()
+    res["pipelined_max_err"] = (out.float() - (srcs[(n - 1) % 2].float() @ b.float())).abs().max().item()
     print(f"workspace (3) back-to-back: {res}", flush=True)
     # (4), last (if it hangs, nothing after it runs): nobody raises the flags, and the
     # watchdog's abort must end the grid
@@ -534,7 +592,8 @@ def main(argv=None):
             json.dump(out, f, indent=1)
 
     # Each check in turn, each failure recorded and the next one still run (a device lease is
-    # short); the workspace check last, because a kernel that never returns ends the process.
+    # short); the workspace check last (the fused ops run in subprocesses of their own),
+    # because a kernel that never returns ends the process.
     if dev.type == "cuda":  # where a hang that no guard covers sits (a tuning loop, say)
         import faulthandler
         import sys
@@ -559,14 +618,6 @@ def main(argv=None):
                 out["errors"].append(f"{name} {M}x{K}x{N}: {type(e).__name__}: {e}")
                 print(f"[{time.time() - t0:5.0f} s] FAIL {name} {M}x{K}x{N}\n{traceback.format_exc()}", flush=True)
             save()
-    if st in ("all", "workspace"):
-        try:
-            out["workspace"] = wcheck = workspace_check(dev)
-            print(f"workspace ({wcheck['backend']}): {wcheck}", flush=True)
-        except Exception as e:
-            out["errors"].append(f"workspace: {type(e).__name__}: {e}")
-            print(f"FAIL workspace\n{traceback.format_exc()}", flush=True)
-        save()
     if args.ops and st in ("all", "ops"):
         out["ops"] = sh = fused_ops_check(args.ops)
         if sh.get("skipped"):
@@ -577,15 +628,26 @@ def main(argv=None):
         for f in sh["failed"]:
             print(f"FAIL fused ops world: {f}", flush=True)
         save()
+    if st in ("all", "workspace"):
+        try:
+            out["workspace"] = wcheck = workspace_check(dev)
+            print(f"workspace ({wcheck['backend']}): {wcheck}", flush=True)
+        except Exception as e:
+            out["errors"].append(f"workspace: {type(e).__name__}: {e}")
+            print(f"FAIL workspace\n{traceback.format_exc()}", flush=True)
+        save()
     rows = out["rows"]
     print(f"\ndevice: {env['device']}, torch {env['torch']}, triton {env['triton']}, bf16, world {world} emulated")
-    print(f"{'kernel':8} {'M':>6} {'K':>6} {'N':>6} {'fused TF/s':>10} {'mm TF/s':>8} {'fused/mm':>8} "
+    print(f"{'kernel':16} {'M':>6} {'K':>6} {'N':>6} {'fused TF/s':>10} {'mm TF/s':>8} {'fused/mm':>8} "
           f"{'+producer':>9} {'max err':>8}  config")
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
     for r in rows:
-        wp = f"{r['tflops_with_producer']:.0f}" if r.get("tflops_with_producer") else "-"
         c = r["config"]
-        print(f"{r['kernel']:8} {r['M']:6} {r['K']:6} {r['N']:6} {r['tflops_fused']:10.1f} {r['tflops_mm']:8.1f} "
-              f"{r['ratio']:8.2f} {wp:>9} {r['max_err']:8.3g}  "
+        print(f"{r['kernel']:16} {r['M']:6} {r['K']:6} {r['N']:6} {num(r['tflops_fused'], '.1f'):>10} "
+              f"{num(r['tflops_mm'], '.1f'):>8} {num(r['ratio'], '.2f'):>8} {num(r.get('tflops_with_producer'), '.0f'):>9} "
+              f"{r['max_err']:8.3g}  "
               f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']}")
     for e in out["errors"]:
         print(f"error: {e}")

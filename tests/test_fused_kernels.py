@@ -482,7 +482,8 @@ def test_gpu_check_smoke_runs_every_part(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["errors"] == []
-    assert sorted(r["kernel"] for r in res["rows"]) == ["ag_gemm", "ag_gemm", "gemm_rs"]
+    assert sorted(r["kernel"] for r in res["rows"]) == ["ag_gemm", "ag_gemm+producer", "gemm_rs"]
+    assert [r["tflops_with_producer"] > 0 for r in res["rows"] if r["kernel"] == "ag_gemm+producer"] == [True]
     w = res["workspace"]
     assert w["flags_ok"] and w["data_ok"] and w["pipelined_ok"] and w["abort_ok"], w
     ops = res["ops"]

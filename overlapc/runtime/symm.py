@@ -32,8 +32,11 @@ Backends:
   (flags raised by the copy engine, done words, abort words) are copies from pinned host
   memory: they run on a copy engine, so they land even while a spinning kernel holds every
   SM (a fill kernel would queue behind it). The copy engine and the watchdog work on their
-  own streams (``SymmetricMemory.on``). Untested on a GPU so far (no multi-GPU machine was
-  available): the CPU tests run the same assembly through a stand-in for torch's handle.
+  own streams (``SymmetricMemory.on``). Run on one H100 as a one-rank group only
+  (benchmarks/gpu_check.py --stage workspace, 2026-12-05: host-raised flags landed in a
+  spinning grid; the abort did not end one, which the kernels' atomic read of the abort
+  word is meant to fix, unverified there). No multi-GPU world has run it: the CPU tests
+  run the same assembly through a stand-in for torch's handle.
 """
 from __future__ import annotations
 
