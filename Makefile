@@ -4,7 +4,7 @@ PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.overlapc-setup
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-all bench clean
 
 setup: $(STAMP)
 
@@ -16,6 +16,10 @@ demo: setup
 	$(PY) -m overlapc.demo
 
 test: setup
+	$(PY) -m pytest -q -m "not extended" $(PYTEST_ARGS)
+
+# Also the tests marked `extended` (about 30 s more).
+test-all: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Needs root (network namespaces, tc). Writes benchmarks/results/ and BENCHMARKS.md.

@@ -205,6 +205,7 @@ def test_dynamic_batches_eager_world2(world2):
 
 
 @pytest.mark.distributed
+@pytest.mark.extended  # 28 s, nearly all compile; world 2 above runs the same paths
 def test_dynamic_batches_eager_world4(world4):
     res = world4.run(run_batches, "eager", [8, 12], 16)  # one bucket, [8, 16): one entry serves both
     _check_world(res, expect_reuse=1)
