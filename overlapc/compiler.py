@@ -193,6 +193,9 @@ def _overlap_pass_class():
             gm = graph.owning_module
             sites = _run_passes(gm, self.kind, self.opts, self.be)
             self.rewritten = [s.name for s in sites if s.status == "rewritten"]
+            from .runtime.dropless import pipelines_of
+            for p in pipelines_of(graph):  # their bodies are decomposed graphs: compile them too
+                p.compile_body = True
             if gm.meta.get("overlapc_changed"):
                 _keep_order_in_inductor()
 

@@ -242,7 +242,7 @@ def dropless_inductor_job(routings) -> list:
     fns = {"truth": models["truth"],
            "base": torch.compile(models["base"], backend=overlapc.backend(inner="inductor", strategy="none")),
            "overlapc": torch.compile(models["overlapc"], backend=be)}
-    calls, out = DroplessPipeline.calls, []
+    calls, compiled, out = DroplessPipeline.calls, DroplessPipeline.compiled_bodies, []
     for kind, seed in routings:
         bias = _routing_bias(kind, cfg.n_experts, seed)
         x0 = torch.randn(32, cfg.dim, generator=torch.Generator().manual_seed(seed * 100 + rank)).bfloat16()
@@ -262,15 +262,16 @@ def dropless_inductor_job(routings) -> list:
             ulp = ref.abs().max().item() * 2 ** -8
             out.append((kind, t, err["base"], err["overlapc"], ulp))
     sites = {(s.graph, s.pattern, s.status, s.chunks) for s in be.report.sites if s.pattern != "collective"}
-    return [out, DroplessPipeline.calls - calls, sorted(sites)]
+    return [out, DroplessPipeline.calls - calls, sorted(sites), DroplessPipeline.compiled_bodies - compiled]
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_moe_dropless_inductor(world2):
     routings = ROUTINGS[:2]
-    for errs, calls, sites in world2.run(dropless_inductor_job, routings):
+    for errs, calls, sites, compiled in world2.run(dropless_inductor_job, routings):
         assert calls == 2 * len(routings), calls
+        assert compiled == 2, compiled  # the forward's and the backward's bodies, by inductor
         assert sites == sorted((g, p, "rewritten", 3) for g in ("forward", "backward")
                                for p in ("all_to_all_matmul", "matmul_all_to_all")), sites
         for kind, tensor, base, ovl, ulp in errs:

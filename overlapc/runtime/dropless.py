@@ -79,6 +79,14 @@ class DroplessPipeline:
     out_shapes: list = None
     """Per output: ("sent" | "received" | None, trailing shape, dtype): rows = rows sent,
     rows received, or a fixed shape. For the custom op's fake implementation."""
+    compile_body: bool = False
+    """Compile ``body`` with inductor (``dynamic=True``: one compile serves every chunk size)
+    at its first run. Set for pipelines in inductor's graphs, whose body is the graph after
+    inductor's decompositions: replayed op by op it runs unfused (SiLU as ``exp`` and
+    friends, dtype conversions as prims calls), while the baseline's compiled kernels fuse
+    it. On the benchmark's MoE layer (emulated cluster, training step): E 0.71 -> 1.04 at
+    world 2, 0.42 -> 0.50 at world 4 (BENCHMARKS.md)."""
+    _body_fn = None
 
     # FX names call_function nodes and their globals after these.
     __name__ = "overlapc_dropless_pipeline"
@@ -88,6 +96,17 @@ class DroplessPipeline:
 
     calls = 0
     """Pipelines run in this process (all instances): lets tests see the rewrite really ran."""
+    compiled_bodies = 0
+    """Bodies compiled in this process (all instances), for tests."""
+
+    def _body(self):
+        if self._body_fn is None:
+            if self.compile_body:
+                self._body_fn = torch.compile(self.body, dynamic=True)
+                DroplessPipeline.compiled_bodies += 1
+            else:
+                self._body_fn = self.body
+        return self._body_fn
 
     def __call__(self, xs, in_splits, out_splits, offs, row_inputs, consts):
         from torch.distributed.distributed_c10d import _resolve_process_group
@@ -139,7 +158,7 @@ class DroplessPipeline:
             work.wait()
             if c + 1 < self.chunks:
                 nxt = dispatch(c + 1)
-            outs = self.body(recv, offs_c, *row_in, *consts)
+            outs = self._body()(recv, offs_c, *row_in, *consts)
             out = outs[0].contiguous()
             back = out.new_empty((sum(send_sizes), *out.shape[1:]))
             cw = dist.all_to_all_single(back, out, send_sizes, recv_sizes, group=group, async_op=True)
@@ -217,6 +236,12 @@ def register(pipeline: DroplessPipeline) -> int:
     key = len(_PIPELINES)
     _PIPELINES[key] = pipeline
     return key
+
+
+def pipelines_of(graph) -> list[DroplessPipeline]:
+    """The pipelines a graph calls (through the custom op)."""
+    return [_lookup(n.args[0]) for n in graph.nodes
+            if n.op == "call_function" and n.target is torch.ops.overlapc.dropless_pipeline.default]
 
 
 def _lookup(key: int) -> DroplessPipeline:
