@@ -69,3 +69,46 @@ def test_tail_takes_weight_gradients_only_when_their_other_operands_precede_the_
     assert _tail_gemm(mm_early, kinds, pos, pos[dispatch]) == [early]
     assert _tail_gemm(mm_late, kinds, pos, pos[dispatch]) is None
     assert _tail_gemm(mm_outside, kinds, pos, pos[dispatch]) is None  # reads no body rows
+
+
+def test_a_body_that_fails_to_compile_runs_uncompiled(monkeypatch):
+    """Under inner="inductor" a pipeline compiles its body at the first run; a compile that
+    fails is reported and the body runs as it is, then and after."""
+    import logging
+
+    from torch.fx import symbolic_trace
+
+    from overlapc.runtime import dropless
+
+    def body(recv, offs, w):
+        return (torch.relu(recv) @ w,)
+
+    gm = symbolic_trace(body)
+    p = dropless.DroplessPipeline(body=gm, group_name="0", chunks=2, n_row_inputs=0, n_row_outputs=0,
+                                  site="s0", compile_body=True)
+
+    def broken(*a, **k):
+        def run(*args):
+            raise RuntimeError("no lowering for aten.frobnicate")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    x, w = torch.randn(5, 4), torch.randn(4, 3)
+    seen = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    handler = Catch(logging.WARNING)
+    logging.getLogger("overlapc").addHandler(handler)
+    try:
+        (out,) = p._run_body(x, None, w)
+    finally:
+        logging.getLogger("overlapc").removeHandler(handler)
+    assert torch.equal(out, torch.relu(x) @ w)
+    assert any("dropless pipeline s0: compiling its body failed (RuntimeError: no lowering for aten.frobnicate)"
+               in m for m in seen), seen
+    assert p._body_fn is gm
+    (again,) = p._run_body(x, None, w)
+    assert torch.equal(again, out)

@@ -29,11 +29,14 @@ counts the rows of every group that fall into it.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.fx import GraphModule
+
+log = logging.getLogger("overlapc")
 
 
 def boundaries(n: int, weights: list[int]) -> list[int]:
@@ -99,14 +102,25 @@ class DroplessPipeline:
     compiled_bodies = 0
     """Bodies compiled in this process (all instances), for tests."""
 
-    def _body(self):
+    def _run_body(self, *args):
+        """``body(*args)``, compiled where ``compile_body`` says so. A compile that fails (an
+        op inductor cannot lower, say) is logged and the body runs uncompiled from then on:
+        the body is functional, so running it again is safe."""
         if self._body_fn is None:
             if self.compile_body:
                 self._body_fn = torch.compile(self.body, dynamic=True)
                 DroplessPipeline.compiled_bodies += 1
             else:
                 self._body_fn = self.body
-        return self._body_fn
+        if self._body_fn is self.body:
+            return self.body(*args)
+        try:
+            return self._body_fn(*args)
+        except Exception as e:  # noqa: BLE001 -- any compile failure; a real error recurs below
+            log.warning("overlapc: dropless pipeline %s: compiling its body failed (%s: %s); "
+                        "it runs uncompiled", self.site, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            self._body_fn = self.body
+            return self.body(*args)
 
     def __call__(self, xs, in_splits, out_splits, offs, row_inputs, consts):
         from torch.distributed.distributed_c10d import _resolve_process_group
@@ -158,7 +172,7 @@ class DroplessPipeline:
             work.wait()
             if c + 1 < self.chunks:
                 nxt = dispatch(c + 1)
-            outs = self._body()(recv, offs_c, *row_in, *consts)
+            outs = self._run_body(recv, offs_c, *row_in, *consts)
             out = outs[0].contiguous()
             back = out.new_empty((sum(send_sizes), *out.shape[1:]))
             cw = dist.all_to_all_single(back, out, send_sizes, recv_sizes, group=group, async_op=True)
