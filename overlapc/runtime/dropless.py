@@ -117,7 +117,7 @@ class DroplessPipeline:
         try:
             return self._body_fn(*args)
         except Exception as e:  # noqa: BLE001 -- any compile failure; a real error recurs below
-            log.warning("overlapc: dropless pipeline %s: compiling its body failed (%s: %s); "
+            log.warning("overlapc: dropless pipeline %s: its compiled body failed (%s: %s); "
                         "it runs uncompiled", self.site, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             self._body_fn = self.body
             return self.body(*args)
