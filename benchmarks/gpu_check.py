@@ -120,6 +120,7 @@ def _per_config(timed, flops) -> list[str]:
 def ag_gemm(M_L, K, N, world, dtype, dev, reps, chunks=4, pipe=False):
     from overlapc.kernels import INTERPRET
     from overlapc.kernels.gemm import ag_gemm_consumer, configs
+    from overlapc.runtime.symm import store_word as store  # flags and the abort word, as the op stores them
 
     shards = [torch.randn(M_L, K, dtype=dtype, device=dev) / K ** 0.25 for _ in range(world)]
     b = torch.randn(K, N, dtype=dtype, device=dev) / K ** 0.25
@@ -136,14 +137,6 @@ def ag_gemm(M_L, K, N, world, dtype, dev, reps, chunks=4, pipe=False):
         ag_gemm_consumer[grid](buf, b, out, flags, abort, M_L, N, K, world, 0, chunks, chunk_rows, M_L, epoch[0],
                                b.stride(0), b.stride(1), out.stride(0), out.stride(1),
                                UPCAST=INTERPRET, PRECISION=prec, **cfg)
-
-    def store(word, value):
-        # The op's flag store (SymmetricMemory.store): a copy from pinned host memory, which a
-        # copy engine runs, not an SM that the spinning consumer could be holding.
-        if word.device.type == "cpu":
-            word.fill_(value)
-        else:
-            word.copy_(torch.full((1,), value, dtype=torch.int32).pin_memory(), non_blocking=True)
 
     def produce():
         # Device-to-device data copies, each chunk followed by its flag.
@@ -306,7 +299,6 @@ def workspace_check(dev, timeout: float = 10.0) -> dict:
     them; (4) nobody raises the flags, and the call's watchdog (``fused._Watchdog``, the abort
     word via the abort stream) must end the grid. A kernel that never returns is reported and
     the process exits, instead of hanging the session."""
-    import os
     import threading
 
     import torch.distributed as dist
@@ -337,17 +329,8 @@ def workspace_check(dev, timeout: float = 10.0) -> dict:
                                    1, epoch, b.stride(0), b.stride(1), out.stride(0), out.stride(1),
                                    UPCAST=INTERPRET, PRECISION="tf32", **cfg)
 
-    def finished(what: str) -> float:
-        """Seconds until the device is idle; exits the process if it never gets there."""
-        t = time.perf_counter()
-        if cuda:
-            waiter = threading.Thread(target=torch.cuda.synchronize, daemon=True)
-            waiter.start()
-            waiter.join(timeout + 10)
-            if waiter.is_alive():
-                print(f"FAIL workspace: {what}: the kernel did not return in {timeout + 10:.0f} s", flush=True)
-                os._exit(2)
-        return time.perf_counter() - t
+    def finished(what: str) -> None:
+        _guard(f"workspace: {what}", timeout + 10)
 
     res = dict(backend="torch symmetric memory" if cuda else "POSIX shm", rendezvous_s=round(t_rdv, 3))
     # (1) flags raised from the host while the grid spins

@@ -108,6 +108,16 @@ def cuda_supported(group) -> str | None:
     return None
 
 
+def store_word(word: torch.Tensor, value: int) -> None:
+    """Write ``value`` into signal word(s) ``word``, on the current stream. On a GPU: a copy
+    from pinned host memory, which a copy engine runs, so it lands even while spinning
+    kernels hold every SM (a fill kernel would queue behind them)."""
+    if word.device.type == "cpu":
+        word.fill_(value)
+    else:
+        word.copy_(torch.full(word.shape, value, dtype=word.dtype).pin_memory(), non_blocking=True)
+
+
 @dataclass
 class SymmetricMemory:
     group: object
@@ -151,12 +161,8 @@ class SymmetricMemory:
         return self.signals[self.rank].device
 
     def store(self, word: torch.Tensor, value: int) -> None:
-        """Write ``value`` into signal word(s) ``word`` (this rank's or a peer's), on the
-        current stream. On a GPU: a copy from pinned host memory (a copy engine, not an SM)."""
-        if word.device.type == "cpu":
-            word.fill_(value)
-        else:
-            word.copy_(torch.full(word.shape, value, dtype=word.dtype).pin_memory(), non_blocking=True)
+        """Write ``value`` into signal word(s) ``word`` (this rank's or a peer's): ``store_word``."""
+        store_word(word, value)
 
     def _stream(self, name: str):
         if name not in self._streams:
