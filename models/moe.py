@@ -13,7 +13,9 @@ even splits and static shapes: the form that compiles without graph breaks. Toke
 capacity are dropped (their output is zero), as in GShard/Switch.
 
 ``expert_form`` chooses how the expert GEMMs are written: ``"bmm"`` (one batched matmul
-over local experts) or ``"loop"`` (a Python loop of per-expert matmuls).
+over local experts), ``"loop"`` (a Python loop of per-expert matmuls) or ``"grouped"``
+(``torch._grouped_mm`` of the (experts, slots, dim) buffer by the stacked weights, no
+offsets: bf16 only on CPU, as below).
 
 The dropless form (``form="dropless"``) drops nothing: tokens are sorted by expert, the
 per-expert counts are exchanged first, and the all-to-alls move an uneven number of rows
@@ -45,7 +47,8 @@ class MoEConfig:
     capacity_factor: float = 2.0
     """Slots per expert = ceil(capacity_factor * tokens * top_k / n_experts)."""
     expert_form: str = "bmm"
-    """How expert GEMMs are written: "bmm" or "loop" (capacity form), "grouped" (dropless form)."""
+    """How expert GEMMs are written: "bmm", "loop" or "grouped" (capacity form), "grouped"
+    (dropless form)."""
     form: str = "capacity"
     """"capacity" (padded slots, even all-to-alls) or "dropless" (uneven, run-time splits)."""
     skew: float = 0.0
@@ -59,7 +62,7 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.form={self.form!r}; allowed: 'capacity', 'dropless'")
         if self.form == "dropless" and self.expert_form == "bmm":
             self.expert_form = "grouped"  # the default, adapted to the form
-        allowed = ("bmm", "loop") if self.form == "capacity" else ("grouped",)
+        allowed = ("bmm", "loop", "grouped") if self.form == "capacity" else ("grouped",)
         if self.expert_form not in allowed:
             raise ValueError(f"MoEConfig.expert_form={self.expert_form!r} with form={self.form!r}; "
                              f"allowed: {', '.join(map(repr, allowed))}")
@@ -122,6 +125,9 @@ class MoE(nn.Module):
         if self.cfg.expert_form == "bmm":
             h = F.silu(torch.bmm(x, self.w1)) * torch.bmm(x, self.w3)
             return torch.bmm(h, self.w2)
+        if self.cfg.expert_form == "grouped":
+            mm = torch._grouped_mm
+            return mm(F.silu(mm(x, self.w1)) * mm(x, self.w3), self.w2)
         outs = []
         for e in range(self.n_local):
             h = F.silu(x[e] @ self.w1[e]) * (x[e] @ self.w3[e])

@@ -226,7 +226,7 @@ def step_of(node: Node, axes: dict[Node, Axis]) -> Step | None:
         return Step(node, a, {0: PIECE}, (1, out))
     if t is ops.aten.detach.default and list(reached) == [0]:
         return Step(node, axes[node.args[0]], {0: PIECE})
-    if t in ops.MATMULS and t in (ops.aten.mm.default, ops.aten.bmm.default):
+    if t is ops.aten.mm.default or ops.is_batched_matmul(node):
         return _matmul_step(node, axes)
     if t in (ops.aten.sum.dim_IntList, ops.aten.mean.dim) and list(reached) == [0]:
         a = axes[node.args[0]]
@@ -323,13 +323,13 @@ def _concat_step(node: Node, axes: dict[Node, Axis]) -> Step | None:
 
 
 def _matmul_step(node: Node, axes: dict[Node, Axis]) -> Step | None:
-    """mm (M,K)@(K,N) and bmm (B,M,K)@(B,K,N): the output follows an axis on M, N or B
-    (the other side narrowed along B too); an axis on K, on both sides, makes the output a
-    sum of partial products."""
+    """mm (M,K)@(K,N) and bmm (B,M,K)@(B,K,N) (or a grouped matmul of that form): the output
+    follows an axis on M, N or B (the other side narrowed along B too); an axis on K, on both
+    sides, makes the output a sum of partial products."""
     lhs, rhs = node.args[0], node.args[1]
     if static_shape(lhs) is None or static_shape(rhs) is None:
         return None
-    bmm = node.target is ops.aten.bmm.default
+    bmm = ops.is_batched_matmul(node)
     m, k, k2, n = (1, 2, 1, 2) if bmm else (0, 1, 0, 1)
     la, ra = axes.get(lhs), axes.get(rhs)
 
@@ -534,7 +534,7 @@ def _inputs_for(x: Node, a: Axis, may_chain, kinds=(ops.ALL_TO_ALL,)) -> list[tu
         return [(x.args[0], a)] if t in kinds and may_chain(x) else None
     if t is ops.aten.mm.default:
         return [(x.args[0], a)] if a.dim == 0 else [(x.args[1], a)]
-    if t is ops.aten.bmm.default:
+    if ops.is_batched_matmul(x):
         return {0: [(x.args[0], a), (x.args[1], a)], 1: [(x.args[0], a)], 2: [(x.args[1], a)]}[a.dim]
     if _pointwise(x):
         out = []

@@ -36,7 +36,7 @@ from . import ops
 from .deps import DepGraph
 
 aten = torch.ops.aten
-GROUPED_MM = aten._grouped_mm.default if hasattr(aten, "_grouped_mm") else None
+GROUPED_MM = ops.GROUPED_MM
 TRANSPOSES = {aten.t.default, aten.transpose.int}
 
 PIPELINE = "overlapc_dropless"

@@ -35,8 +35,9 @@ MATMULS = {
     aten.bmm.default: (0, 1),
     aten.baddbmm.default: (1, 2),
 }
-if hasattr(aten, "_grouped_mm"):
-    MATMULS[aten._grouped_mm.default] = (0, 1)
+GROUPED_MM = aten._grouped_mm.default if hasattr(aten, "_grouped_mm") else None
+if GROUPED_MM is not None:
+    MATMULS[GROUPED_MM] = (0, 1)
 
 # Ops that only change how a tensor's elements are laid out or typed: matching sees through
 # them. Each takes the tensor as its first argument.
@@ -87,6 +88,22 @@ def is_impure(node: Node) -> bool:
 
 def is_matmul(node: Node) -> bool:
     return node.op == "call_function" and node.target in MATMULS
+
+
+def is_batched_matmul(node: Node) -> bool:
+    """``bmm``, or ``torch._grouped_mm`` of two 3-D operands with no offsets, bias or output
+    dtype: a bmm by another name (a capacity-form MoE's experts written as grouped matmuls;
+    its backward is grouped matmuls of the same kind)."""
+    if node.op != "call_function":
+        return False
+    if node.target is aten.bmm.default:
+        return True
+    if GROUPED_MM is None or node.target is not GROUPED_MM or len(node.args) != 2:
+        return False
+    if any(v is not None for v in node.kwargs.values()):
+        return False
+    a, b = (shape(x) for x in node.args)
+    return a is not None and b is not None and len(a) == 3 and len(b) == 3
 
 
 def is_full_slice(node: Node) -> bool:

@@ -58,7 +58,9 @@ def moe_job(config: dict, routings: list) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     key = tuple(sorted(config.items())) + (world,)
     dtype = DTYPES[config["dtype"]]
-    dropless = config["form"] == "grouped"
+    # "grouped" is the dropless form unless the case says capacity=True (grouped matmuls of
+    # the packed (experts, slots, dim) buffer: a bmm by another name)
+    dropless = config["form"] == "grouped" and not config.get("capacity")
     cfg = dict(n_experts=config.get("n_experts", 8), dim=32, hidden=48, top_k=config["top_k"],
                expert_form=config["form"], capacity_factor=config.get("capacity_factor", 2.0),
                form="dropless" if dropless else "capacity")
@@ -123,7 +125,8 @@ def _check_sites(result, chunks):
 
 CASES = [
     dict(form="bmm", top_k=2, dtype="fp32", chunks=2),
-    dict(form="bmm", top_k=1, dtype="bf16", chunks=3),
+    # bf16: grouped matmuls (bf16 only on CPU) go through the same rules as bmm
+    dict(form="grouped", capacity=True, top_k=1, dtype="bf16", chunks=3),
     dict(form="loop", top_k=2, dtype="fp32", chunks=4),
     dict(form="loop", top_k=1, dtype="bf16", chunks=8),
     dict(form="bmm", top_k=2, dtype="fp32", chunks=5),

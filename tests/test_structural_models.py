@@ -90,9 +90,10 @@ def test_tp_counts(tp_report):
     }
 
 
-@pytest.mark.parametrize("form", ["bmm", "loop"])
+@pytest.mark.parametrize("form", ["bmm", "loop", "grouped"])
 def test_moe_counts(fake_mesh8, form):
-    model, inputs = moe.build_ep(fake_mesh8, expert_form=form)
+    # torch._grouped_mm takes only bf16 on CPU
+    model, inputs = moe.build_ep(fake_mesh8, expert_form=form, dtype="bfloat16" if form == "grouped" else "float32")
     report = overlapc.explain(model, *inputs, options={"strategy": "none"})
     assert counts(report) == {
         # dispatch A2A -> expert w1/w3 GEMMs; expert w2 GEMM -> combine A2A.
@@ -107,7 +108,8 @@ def test_moe_counts(fake_mesh8, form):
     assert len(fw.matmuls) == 2  # w1 and w3 (8 experts over 8 ranks: one local expert)
 
 
-@pytest.mark.parametrize("form,dtype", [("bmm", "float32"), ("loop", "float32"), ("bmm", "bfloat16")])
+@pytest.mark.parametrize("form,dtype", [("bmm", "float32"), ("loop", "float32"), ("bmm", "bfloat16"),
+                                        ("grouped", "bfloat16")])
 def test_moe_decomposed_along_capacity(fake_mesh8, form, dtype):
     """Each dispatch all-to-all is chunked along the capacity slots (Axis(0, cap): 8 experts
     over 8 ranks leave one local expert, so chunking experts is impossible) and its combine
