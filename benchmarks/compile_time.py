@@ -1,6 +1,6 @@
 """Benchmark: how long overlapc's graph passes take as a model grows (compile time, not speed).
 
-    python -m benchmarks.compile_time [--layers 4 16 32] [--dim 1024 --ffn 2816 --heads 16 --seq 512] [--world 8]
+    python -m benchmarks.compile_time [--layers 4 16 32] [--dim 1024 --ffn 2816 --heads 16 --seq 512] [--world 8] [--no-write]
 
 Captures the reference TP+SP Llama (by default at the shapes of ``make bench``, so that
 "auto" rewrites the sites it rewrites there; on the fake group no tensor is computed, so
@@ -66,12 +66,18 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--world", type=int, default=8)
+    ap.add_argument("--no-write", action="store_true", help="print only (no JSON, no BENCHMARKS.md)")
     args = ap.parse_args(argv)
 
     from benchmarks import common
     from overlapc.cli import fake_world
 
-    mesh = fake_world(args.world)
+    import torch.distributed as dist
+    if dist.is_initialized() and dist.get_backend() == "fake" and dist.get_world_size() == args.world:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (args.world,))  # one already here (a test session's): keep it
+    else:
+        mesh = fake_world(args.world)
     shape = dict(dim=args.dim, ffn_dim=args.ffn, n_heads=args.heads, batch=2, seq=args.seq)
     rows = []
     for layers in args.layers:
@@ -80,6 +86,8 @@ def main(argv=None) -> int:
             rows.append(r)
             print(f"layers {layers:3d} memo {'on ' if memo else 'off'}: total {r['total_s']:6.1f} s, "
                   f"passes {r['passes_s']:6.1f} s, {r['sites']} sites ({r['rewritten']} rewritten)", flush=True)
+    if args.no_write:
+        return 0
     common.write_json("compile_time.json", {"args": vars(args), "rows": rows})
     cmd = "python -m benchmarks.compile_time" + " ".join(a for a in [""] + list(argv or sys.argv[1:]))
     lines = [f"Reference TP+SP Llama (dim {args.dim}, ffn {args.ffn}, {args.heads} heads, batch 2 x seq {args.seq}, "

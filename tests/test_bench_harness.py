@@ -65,3 +65,17 @@ def test_compute_alone_keeps_the_experts_rows(world2):
                dtype="bfloat16")
     for rows in world2.run(_expert_rows, cfg):
         assert len(rows) == 3 and all(r == cfg["tokens"] * cfg["top_k"] for r in rows), rows
+
+
+def test_compile_time_benchmark_runs_and_counts_the_passes(fake_mesh8, capsys):
+    """benchmarks/compile_time at a toy depth and size (it must not rot): both memo settings
+    run, the same sites are found, and the passes' share is inside the total."""
+    from benchmarks import compile_time
+    assert compile_time.main(["--layers", "1", "--dim", "64", "--ffn", "128", "--heads", "8", "--seq", "32",
+                              "--no-write"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("layers")]
+    assert len(lines) == 2 and lines[0].split("passes")[1].split("s,")[1] == lines[1].split("passes")[1].split("s,")[1]
+    for ln in lines:
+        total = float(ln.split("total")[1].split("s,")[0])
+        passes = float(ln.split("passes")[1].split("s,")[0])
+        assert 0 < passes <= total, ln
