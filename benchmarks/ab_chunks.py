@@ -1,5 +1,5 @@
-"""Same-run A/B of chunk counts on an all-to-all model (the Ulysses attention block or the
-capacity MoE layer, as their benchmarks build them): the baseline and overlapc with the
+"""Same-run A/B of chunk counts on an all-to-all model (the Ulysses attention block, the
+capacity MoE layer or the dropless one, as their benchmarks build them): the baseline and overlapc with the
 sites matching ``--sites`` held at fixed chunk counts (per-site overrides; the cost model
 still picks the axis that can honour the count, and everything else), under a profile
 calibrated inside the cluster first. Emulated cluster, interleaved rounds.
@@ -7,6 +7,7 @@ calibrated inside the cluster first. Emulated cluster, interleaved rounds.
     sudo python -m benchmarks.ab_chunks --model ulysses --world 2 --rate 658 --chunks auto 2 4
     sudo python -m benchmarks.ab_chunks --model moe --world 2 --rate 388 --chunks auto 3 4 6
     sudo python -m benchmarks.ab_chunks --model ulysses --world 4 --rate 266 --chunks 2 4 --off addmm_partials
+    sudo python -m benchmarks.ab_chunks --model dropless --world 4 --rate 140 --chunks auto 2 3 6
 
 Prints the median step times (ms), each variant's chunk counts and speedups, and the time
 it saves beside what the cost model predicts its rewritten sites save. A
@@ -27,6 +28,8 @@ MODELS = {  # builder, keyword arguments (the defaults of bench_ulysses / bench_
     "ulysses": ("overlapc.models.ulysses:build_ulysses", dict(dim=1024, n_heads=16, batch=2, seq=2048), "backward:*"),
     "moe": ("overlapc.models.moe:build_ep", dict(tokens=1024, dim=1024, hidden=2048, n_experts=8, top_k=2,
                                                  capacity_factor=1.25, expert_form="bmm", dtype="float32"), "*"),
+    "dropless": ("overlapc.models.moe:build_ep", dict(tokens=1024, dim=1024, hidden=2048, n_experts=8, top_k=2,
+                                                      capacity_factor=1.25, form="dropless", dtype="bfloat16"), "*"),
 }
 
 
@@ -36,6 +39,8 @@ def ab_job(profile: str, model_name: str, mode: str, sites: str, counts: list, i
     from overlapc import Backend, Options
 
     builder, kw, _ = MODELS[model_name]
+    # the dropless form's split sizes come from .tolist(): keep them in the graph (as bench_moe does)
+    torch._dynamo.config.capture_scalar_outputs = kw.get("form") == "dropless"
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     steps, chunks, saved, preds = {}, {}, {}, {}
     # "compute": the baseline with its collectives replaced by local copies (compute alone).

@@ -34,9 +34,11 @@ import time
 import torch
 import torch.distributed as dist
 
-# torch 2.13 deprecates reduce_scatter_tensor (a FutureWarning per call) for
-# reduce_scatter_single, same signature; torch 2.11 has only the former.
+# torch 2.13 deprecates reduce_scatter_tensor and all_gather_into_tensor (a FutureWarning per
+# call) for reduce_scatter_single and all_gather_single, same signatures; torch 2.11 has only
+# the former.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 GEMM_SIZES = [(128, 256, 256), (256, 512, 512), (512, 1024, 1024), (1024, 1024, 1024)]
 ROWS = ((32, 64, 128, 256, 512), 1024, 2048, 4)
@@ -258,7 +260,7 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
         x = torch.empty(nbytes // 4, dtype=torch.float32)
         out = torch.empty(world * x.numel(), dtype=torch.float32)
         out2 = torch.empty_like(out)
-        t = _comm_time(lambda: dist.all_gather_into_tensor(out, x, group=group), group, reps)
+        t = _comm_time(lambda: _all_gather(out, x, group=group), group, reps)
         xs.append((world - 1) * nbytes)
         ys.append(t)
         k = min(32, max(1, -(-STREAM_BYTES // (world * nbytes))))  # tiny ones: latency, not the burst
@@ -268,7 +270,7 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
                 op()
         # One message per run (the largest): three times the runs, their times being bimodal.
         n = reps if k > 1 else 3 * reps
-        t_ag = _comm_time(lambda: stream(lambda: dist.all_gather_into_tensor(out, x, group=group)), group, n)
+        t_ag = _comm_time(lambda: stream(lambda: _all_gather(out, x, group=group)), group, n)
         t_a2a = _comm_time(lambda: stream(lambda: dist.all_to_all_single(out2, out, group=group)), group, n)
         curves["all_gather"].append([nbytes, round(t_ag / k, 9)])
         curves["all_to_all"].append([world * nbytes, round(t_a2a / k, 9)])
@@ -287,7 +289,7 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
 
     def tiny_seq():
         for _ in range(16):
-            dist.all_gather_into_tensor(tiny_out, tiny_in, group=group)
+            _all_gather(tiny_out, tiny_in, group=group)
     alpha = max(_comm_time(tiny_seq, group, reps) / (16 * max(world - 1, 1)), 1e-6)
     # How much longer latency is with GEMMs (~1 ms ones) running on the rank, per kind: 16
     # tiny all-gathers, 16 tiny reduce-scatters. Measured 2026-12-05 on the emulated cluster
@@ -336,7 +338,7 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
     rs_in = torch.empty(world * big.numel())
 
     def ag():
-        return dist.all_gather_into_tensor(big_out, big, group=group, async_op=True)
+        return _all_gather(big_out, big, group=group, async_op=True)
 
     def rs_op():
         return _reduce_scatter(big, rs_in, group=group, async_op=True)
