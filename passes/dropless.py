@@ -25,8 +25,10 @@ else that reads the body's tensors is outside the pipeline and gets them whole, 
 from __future__ import annotations
 
 import operator
+import weakref
 from dataclasses import dataclass, field
 
+import sympy
 import torch
 from torch.fx import Graph, GraphModule, Node
 
@@ -290,6 +292,36 @@ def pipeline_matmuls(p: Pipeline) -> list[Node]:
     return [n for n in p.nodes if n.target is aten.mm.default or (GROUPED_MM is not None and n.target is GROUPED_MM)]
 
 
+_BALANCED_ROWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+"""ShapeEnv -> {sum of a dispatch's run-time send splits: the rows it sends}. A forward
+pipeline sends a number of rows (T * top_k) cut by run-time splits; the backward's pipeline
+sends the gradient of what the forward's combine returned, whose rows are those same
+splits' sum, symbolic there. At balanced routing that sum is the forward's number."""
+
+
+def note_rows(p: Pipeline) -> None:
+    """Remember what the sum of ``p``'s send splits is, where its rows are a number."""
+    xs = ops.val(p.dispatch.args[0])
+    splits = p.dispatch.args[2] if len(p.dispatch.args) > 2 else None
+    if xs is None or xs.dim() == 0 or not isinstance(splits, (list, tuple)):
+        return
+    rows = ops.hint(xs.shape[0])
+    syms = [s.meta.get("val") if isinstance(s, Node) else s for s in splits]
+    if rows is None or not syms or not all(isinstance(v, torch.SymInt) for v in syms):
+        return
+    env = syms[0].node.shape_env
+    _BALANCED_ROWS.setdefault(env, {})[sympy.Add(*(v.node.expr for v in syms))] = rows
+
+
+def rows_at_balance(size) -> int | None:
+    """A pipeline's rows sent: the number, or a sum of run-time splits that :func:`note_rows`
+    saw a forward pipeline send as a number."""
+    h = ops.hint(size)
+    if h is not None or not isinstance(size, torch.SymInt):
+        return h
+    return _BALANCED_ROWS.get(size.node.shape_env, {}).get(size.node.expr)
+
+
 def pipeline_stages(p: Pipeline):
     """The cost model's view of a dropless pipeline, as passes/all_to_all.region_stages gives
     a region's: ([dispatch all-to-all, the body's GEMMs, combine all-to-all], bytes the
@@ -318,8 +350,10 @@ def pipeline_stages(p: Pipeline):
     if xs is None or back is None or xs.dim() == 0:
         return None
     try:
-        rows = num(xs.shape[0])
-        sent = num(*xs.shape) * xs.element_size()
+        rows = rows_at_balance(xs.shape[0])
+        if rows is None:
+            raise NotPipelined("a run-time size")
+        sent = rows * num(*xs.shape[1:]) * xs.element_size()
         returned = rows * num(*back.shape[1:]) * back.element_size()
         flops, per_call_rows, late, late_calls, late_fm = 0, rows, 0, 0, 0.0
         matmuls = pipeline_matmuls(p)
@@ -355,6 +389,7 @@ def can_pipeline(site, deps: DepGraph) -> str | None:
         return f"uneven or run-time split sizes: {e}"
     p.dispatch.meta[PIPELINE] = p
     site.pipeline = p
+    note_rows(p)
     site.details["pipeline"] = {"dispatch": p.dispatch.name, "combine": p.combine.name, "body_ops": len(p.nodes),
                                 "row_inputs": len(p.row_inputs), "reduced_outputs": len(p.reduced_outputs)}
     return None

@@ -24,10 +24,10 @@ another, with the copies the rewrite adds (tensors read whole reassembled, parti
 A site whose all-to-all is part of an earlier site's region is predicted (and counted)
 there. A dropless pipeline (split sizes known only at run time: passes/dropless.py) is
 predicted as [dispatch, the body's GEMMs, combine] at balanced routing (each rank receives
-as many rows as it sends) when the rows it sends are a number (the forward); its other
-all-to-all follows that decision. Where even those are run-time sizes (the backward, whose
-sends are sums of the forward's splits) a rule remains: rewritten when the all-to-all moves
-at least ``AUTO_MIN_BYTES`` per rank, chunks min(4, extent).
+as many rows as it sends) when the rows it sends are a number (the forward) or the sum of a
+forward pipeline's send splits (the backward: passes/dropless.note_rows); its other
+all-to-all follows that decision. Where even those are unknown a rule remains: rewritten
+when the all-to-all moves at least ``AUTO_MIN_BYTES`` per rank, chunks min(4, extent).
 
 ``strategy="fuse"`` replaces AllGather -> mm and mm -> ReduceScatter sites by the fused
 Triton ops (passes/fuse.py) where the group has symmetric memory, and says why elsewhere.
@@ -332,7 +332,7 @@ def _where(site: MatchedSite) -> str:
                 f"{region.axis.extent} slabs, {site.comm_bytes()} B per rank")
     pipeline = getattr(site, "pipeline", None)
     if pipeline is not None:
-        rows = ops.hint(ops.val(pipeline.dispatch.args[0]).shape[0])
+        rows = dropless.rows_at_balance(ops.val(pipeline.dispatch.args[0]).shape[0])
         return (f"a dropless pipeline of {len(dropless.pipeline_matmuls(pipeline))} GEMMs, {rows} rows sent per "
                 f"rank (priced at balanced routing), {site.comm_bytes()} B per rank")
     mm = site.matmuls[0] if site.matmuls else None

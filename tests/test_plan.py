@@ -485,10 +485,15 @@ def test_dropless_pipelines_are_priced_at_balanced_routing(fake_mesh8, tmp_path)
     # The combine follows the dispatch (one op runs both), with its decision.
     assert follower.details["modelled_with"] == owner.name
     assert (owner.status, owner.chunks, follower.status, follower.chunks) == ("rewritten", pred["chunks"]) * 2, owner.reason
-    # The backward sends sums of the forward's run-time splits: no number to price, the rule.
-    for s in sites:
-        if s.graph == "backward":
-            assert "predicted" not in s.details and s.status == "rewritten" and s.chunks == 4
+    # The backward sends the sum of the forward's run-time send splits (symbolic there); at
+    # balanced routing that is what the forward sent: priced like the forward, from its
+    # number, with the tail's weight gradients run whole after the chunks.
+    bwd = [s for s in sites if s.graph == "backward"]
+    assert len(bwd) == 2
+    bpred = next(s.details["predicted"] for s in bwd if "predicted" in s.details)
+    assert bpred["stages"][0]["amount"] == bpred["stages"][2]["amount"] == rows * cfg["dim"] * 2
+    assert bpred["stages"][1]["after"] == 3 * 2 * rows * cfg["dim"] * cfg["hidden"]  # three weight gradients
+    assert all(s.status == "rewritten" and s.chunks == bpred["chunks"] for s in bwd), [s.reason for s in bwd]
     # Its weight gradients are the pipeline's tail, whole (grouped matmuls of t(rows)); the
     # input gradients run per chunk in the body.
     from overlapc.passes.dropless import GROUPED_MM
