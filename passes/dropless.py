@@ -296,7 +296,8 @@ _BALANCED_ROWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 """ShapeEnv -> {sum of a dispatch's run-time send splits: the rows it sends}. A forward
 pipeline sends a number of rows (T * top_k) cut by run-time splits; the backward's pipeline
 sends the gradient of what the forward's combine returned, whose rows are those same
-splits' sum, symbolic there. At balanced routing that sum is the forward's number."""
+splits' sum, symbolic there but always the forward's number. (What each rank receives is
+priced at balanced routing either way.)"""
 
 
 def note_rows(p: Pipeline) -> None:
