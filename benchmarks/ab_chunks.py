@@ -33,7 +33,8 @@ MODELS = {  # builder, keyword arguments (the defaults of bench_ulysses / bench_
 }
 
 
-def ab_job(profile: str, model_name: str, mode: str, sites: str, counts: list, iters: int, off: list | None = None):
+def ab_job(profile: str, model_name: str, mode: str, sites: str, counts: list, iters: int, off: list | None = None,
+           inner: str = "eager"):
     from torch.distributed.device_mesh import init_device_mesh
 
     from overlapc import Backend, Options
@@ -50,11 +51,11 @@ def ab_job(profile: str, model_name: str, mode: str, sites: str, counts: list, i
         for c in counts for flip in ([], *([o] for o in off or []))]
     for name, c, extra in variants:
         if name == "compute":
-            be = harness.compute_alone("eager")
+            be = harness.compute_alone(inner)
         elif c is None:
-            be = Backend(Options(inner="eager", strategy="none", schedule=False))
+            be = Backend(Options(inner=inner, strategy="none", schedule=False))
         else:
-            be = Backend(Options(inner="eager", strategy="decompose", chunks="auto", hardware=profile,
+            be = Backend(Options(inner=inner, strategy="decompose", chunks="auto", hardware=profile,
                                  overrides={} if c == "auto" else {sites: {"chunks": int(c)}}, **extra))
         torch.manual_seed(0)
         model, inputs = harness._build({"builder": builder})(mesh, **kw)
@@ -84,14 +85,15 @@ def main(argv=None):
                    help="boolean options (e.g. addmm_partials) also measured set to False beside each count")
     p.add_argument("--save", metavar="FILE", help="write the profile, times and every site's prediction as JSON")
     p.add_argument("--iters", type=int, default=11)
+    p.add_argument("--inner", default="eager", choices=["eager", "inductor"])
     args = p.parse_args(argv)
     sites = args.sites or MODELS[args.model][2]
     (t, chunks, saved, preds), prof = harness.run_calibrated(args.world, args.rate, ab_job, args.model, args.mode, sites,
-                                                             args.chunks, args.iters, args.off)
+                                                             args.chunks, args.iters, args.off, args.inner)
     if args.save:
         with open(args.save, "w") as f:
             json.dump({"args": vars(args), "profile": prof, "times_ms": t, "predicted": preds}, f, indent=1)
-    print(f"{args.model}, world {args.world} {args.rate:g} Mbit/s {args.mode}; profile overlap_loss {prof['overlap_loss']}, "
+    print(f"{args.model}, world {args.world} {args.rate:g} Mbit/s {args.mode}, inner={args.inner}; profile overlap_loss {prof['overlap_loss']}, "
           f"concurrent_excess {prof.get('concurrent_excess')}, "
           f"comm_loss {prof.get('comm_loss')}")
     for k, v in t.items():

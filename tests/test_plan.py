@@ -485,9 +485,9 @@ def test_dropless_pipelines_are_priced_at_balanced_routing(fake_mesh8, tmp_path)
     # The combine follows the dispatch (one op runs both), with its decision.
     assert follower.details["modelled_with"] == owner.name
     assert (owner.status, owner.chunks, follower.status, follower.chunks) == ("rewritten", pred["chunks"]) * 2, owner.reason
-    # The backward sends the sum of the forward's run-time send splits (symbolic there); at
-    # balanced routing that is what the forward sent: priced like the forward, from its
-    # number, with the tail's weight gradients run whole after the chunks.
+    # The backward sends the sum of the forward's run-time send splits (symbolic there),
+    # which is always what the forward sent: priced like the forward, from its number, with
+    # the tail's weight gradients run whole after the chunks.
     bwd = [s for s in sites if s.graph == "backward"]
     assert len(bwd) == 2
     bpred = next(s.details["predicted"] for s in bwd if "predicted" in s.details)
