@@ -19,6 +19,7 @@ Writes benchmarks/results/compile_time.json and the section "Compile time" of BE
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -93,7 +94,7 @@ def main(argv=None) -> int:
     lines = [f"Reference TP+SP Llama (dim {args.dim}, ffn {args.ffn}, {args.heads} heads, batch 2 x seq {args.seq}, "
              "fp32), "
              f"captured by `overlapc.explain` with the default options on a fake process group of "
-             f"{args.world} ranks (one process, 2 CPU cores). Total: the whole capture, dynamo and "
+             f"{args.world} ranks (one process, {os.cpu_count()} CPU cores). Total: the whole capture, dynamo and "
              "AOTAutograd included; passes: inside overlapc's graph passes (forward and backward); "
              "no memo: the cost model prices every repeated site again.", "",
              f"Reproduce: `{cmd}`", "",

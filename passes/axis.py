@@ -332,6 +332,16 @@ def _matmul_step(node: Node, axes: dict[Node, Axis]) -> Step | None:
     bmm = ops.is_batched_matmul(node)
     m, k, k2, n = (1, 2, 1, 2) if bmm else (0, 1, 0, 1)
     la, ra = axes.get(lhs), axes.get(rhs)
+    if ops.is_grouped_mm(node):
+        # A grouped matmul is chunked by batch or rows only: CUDA's _grouped_mm needs 16-byte
+        # aligned operands, which a slice of columns (N) or of K at any offset need not be
+        # (slices of B or M start at a multiple of the row stride, which its checks align).
+        # A sum over K is fine in bf16/fp16: it runs whole, on operands rebuilt from the chunks.
+        v = ops.val(node)
+        whole = v is not None and v.dtype in LOW_PRECISION and (
+            (la is not None and la.dim == k) or (ra is not None and ra.dim == k2))
+        if not (whole or (la is not None and la.dim in (0, m)) or (ra is not None and ra.dim == 0)):
+            return None
 
     def shared(a: Axis, other_dim: int, other_axis: Axis | None):
         want = Axis(other_dim, a.extent, a.inner)
@@ -535,6 +545,8 @@ def _inputs_for(x: Node, a: Axis, may_chain, kinds=(ops.ALL_TO_ALL,)) -> list[tu
     if t is ops.aten.mm.default:
         return [(x.args[0], a)] if a.dim == 0 else [(x.args[1], a)]
     if ops.is_batched_matmul(x):
+        if ops.is_grouped_mm(x) and a.dim == 2:
+            return None  # columns of a grouped matmul: see _matmul_step
         return {0: [(x.args[0], a), (x.args[1], a)], 1: [(x.args[0], a)], 2: [(x.args[1], a)]}[a.dim]
     if _pointwise(x):
         out = []

@@ -106,6 +106,10 @@ def is_batched_matmul(node: Node) -> bool:
     return a is not None and b is not None and len(a) == 3 and len(b) == 3
 
 
+def is_grouped_mm(node: Node) -> bool:
+    return GROUPED_MM is not None and node.op == "call_function" and node.target is GROUPED_MM
+
+
 def is_full_slice(node: Node) -> bool:
     """slice(x, d, 0, end >= size, 1): selects everything, a no-op (DTensor emits these)."""
     if node.op != "call_function" or node.target is not aten.slice.Tensor:

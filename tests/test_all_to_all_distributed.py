@@ -125,8 +125,9 @@ def _check_sites(result, chunks):
 
 CASES = [
     dict(form="bmm", top_k=2, dtype="fp32", chunks=2),
-    # bf16: grouped matmuls (bf16 only on CPU) go through the same rules as bmm
-    dict(form="grouped", capacity=True, top_k=1, dtype="bf16", chunks=3),
+    dict(form="bmm", top_k=1, dtype="bf16", chunks=3),
+    # grouped matmuls (bf16 only on CPU) of the capacity buffer: chunked like bmm
+    dict(form="grouped", capacity=True, top_k=2, dtype="bf16", chunks=4),
     dict(form="loop", top_k=2, dtype="fp32", chunks=4),
     dict(form="loop", top_k=1, dtype="bf16", chunks=8),
     dict(form="bmm", top_k=2, dtype="fp32", chunks=5),

@@ -47,3 +47,25 @@ def test_split_factor_is_refused():
     assert through_reshape([8, 3], Axis(0, 4, 2), [2, 12]) is None
     # 6 = 2 x 3 read as 3 x 2: the extent-3 factor straddles both new dims
     assert through_reshape([6, 10], Axis(0, 3, 1), [3, 2, 10]) is None
+
+
+@pytest.mark.parametrize("op", ["bmm", "grouped"])
+def test_grouped_matmul_is_chunked_by_batch_or_rows_only(op):
+    """torch._grouped_mm of two 3-D operands is a bmm by another name, but CUDA's kernel needs
+    16-byte aligned operands: a slice of its columns (or of K) need not be, so it is chunked
+    along the batch and the rows only; bmm along its columns too."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from overlapc.passes.axis import step_of
+
+    mm = torch.bmm if op == "bmm" else torch._grouped_mm
+    x, w = torch.randn(4, 32, 16, dtype=torch.bfloat16), torch.randn(4, 16, 24, dtype=torch.bfloat16)
+    gm = make_fx(lambda x, w: mm(x, w), tracing_mode="fake")(x, w)
+    xn, wn = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    (node,) = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert step_of(node, {xn: Axis(0, 4)}) is not None  # batch
+    assert step_of(node, {xn: Axis(1, 32)}) is not None  # rows
+    assert step_of(node, {wn: Axis(0, 4)}) is not None  # batch, from the weight's side
+    assert (step_of(node, {wn: Axis(2, 24)}) is not None) == (op == "bmm")  # columns
+    # K on both sides: a sum over the axis, in bf16 run whole on rebuilt operands (allowed)
+    assert step_of(node, {xn: Axis(2, 16), wn: Axis(1, 16)}) is not None

@@ -264,18 +264,24 @@ def test_predict_prefers_overlap_when_balanced_and_skips_tiny_sites():
     assert big.per_chunks[8] > big.best and big.chunks < 8
 
 
-def test_predictions_are_memoised_by_value_profile_included():
-    """A model's layers repeat the same sites: the second prediction of one is the first's,
-    a copy the caller may change; another profile is another prediction."""
+def test_predictions_are_memoised_by_value_profile_included(monkeypatch):
+    """A model's layers repeat the same sites: the second prediction of one is the first's
+    (not computed again), a copy the caller may change; another profile is another prediction."""
     p = cost.load_profile("h100-nvlink")
     args = ("all_gather_matmul", 1024 * 4096 * 2, 2 * 8192 * 4096 * 1792, 8, "bfloat16")
+    computed = []
+    real = cost._predict_stages
+    monkeypatch.setattr(cost, "_predict_stages", lambda *a: computed.append(a) or real(*a))
+    cost._PREDICTIONS.clear()
     first = cost.predict(*args, p, 1024)
     first.per_chunks.clear()
     first.stages.clear()
     again = cost.predict(*args, p, 1024)
     assert again.per_chunks and again.stages and again.best == min(again.per_chunks.values())
+    assert len(computed) == 1
     slower = dataclasses.replace(p, link=cost.Link(p.link.alpha, p.link.beta / 4))
     assert cost.predict(*args, slower, 1024).comm > 3 * again.comm  # a quarter of the bandwidth (+ latency)
+    assert len(computed) == 2
 
 
 def test_auto_skips_small_sites_with_the_models_reason(fake_mesh8):
