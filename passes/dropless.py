@@ -24,6 +24,7 @@ else that reads the body's tensors is outside the pipeline and gets them whole, 
 """
 from __future__ import annotations
 
+import math
 import operator
 import weakref
 from dataclasses import dataclass, field
@@ -323,6 +324,18 @@ def rows_at_balance(size) -> int | None:
     return _BALANCED_ROWS.get(size.node.shape_env, {}).get(size.node.expr)
 
 
+def sent_bytes(p: Pipeline) -> int | None:
+    """Bytes the pipeline's dispatch sends from this rank (rows by :func:`rows_at_balance`);
+    None where a size is not known."""
+    xs = ops.val(p.dispatch.args[0])
+    if xs is None or xs.dim() == 0:
+        return None
+    rows, rest = rows_at_balance(xs.shape[0]), [ops.hint(d) for d in xs.shape[1:]]
+    if rows is None or None in rest:
+        return None
+    return rows * math.prod(rest) * xs.element_size()
+
+
 def pipeline_stages(p: Pipeline):
     """The cost model's view of a dropless pipeline, as passes/all_to_all.region_stages gives
     a region's: ([dispatch all-to-all, the body's GEMMs, combine all-to-all], bytes the
@@ -351,10 +364,9 @@ def pipeline_stages(p: Pipeline):
     if xs is None or back is None or xs.dim() == 0:
         return None
     try:
-        rows = rows_at_balance(xs.shape[0])
-        if rows is None:
+        rows, sent = rows_at_balance(xs.shape[0]), sent_bytes(p)
+        if rows is None or sent is None:
             raise NotPipelined("a run-time size")
-        sent = rows * num(*xs.shape[1:]) * xs.element_size()
         returned = rows * num(*back.shape[1:]) * back.element_size()
         flops, per_call_rows, late, late_calls, late_fm = 0, rows, 0, 0, 0.0
         matmuls = pipeline_matmuls(p)

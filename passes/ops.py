@@ -98,7 +98,7 @@ def is_batched_matmul(node: Node) -> bool:
         return False
     if node.target is aten.bmm.default:
         return True
-    if GROUPED_MM is None or node.target is not GROUPED_MM or len(node.args) != 2:
+    if not is_grouped_mm(node) or len(node.args) != 2:
         return False
     if any(v is not None for v in node.kwargs.values()):
         return False

@@ -40,8 +40,6 @@ symmetric memory (a GPU profile planned on a machine without CUDA says why not).
 """
 from __future__ import annotations
 
-import math
-
 from overlapc.errors import OverlapError
 from overlapc.options import Options
 from overlapc.runtime import symm
@@ -334,11 +332,10 @@ def _where(site: MatchedSite) -> str:
                 f"{region.axis.extent} slabs, {site.comm_bytes()} B per rank")
     pipeline = getattr(site, "pipeline", None)
     if pipeline is not None:
-        xs = ops.val(pipeline.dispatch.args[0])
-        rows = dropless.rows_at_balance(xs.shape[0])
+        rows = dropless.rows_at_balance(ops.val(pipeline.dispatch.args[0]).shape[0])
         nbytes = site.comm_bytes()
-        if nbytes is None and rows is not None:  # the backward's: rows from the forward's number
-            nbytes = rows * math.prod(ops.hint(d) or 0 for d in xs.shape[1:]) * xs.element_size()
+        if nbytes is None:  # the backward's: rows from the forward's number
+            nbytes = dropless.sent_bytes(pipeline)
         return (f"a dropless pipeline of {len(dropless.pipeline_matmuls(pipeline))} GEMMs, {rows} rows sent per "
                 f"rank (priced at balanced routing), {nbytes} B per rank")
     mm = site.matmuls[0] if site.matmuls else None
