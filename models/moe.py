@@ -21,9 +21,11 @@ The dropless form (``form="dropless"``) drops nothing: tokens are sorted by expe
 per-expert counts are exchanged first, and the all-to-alls move an uneven number of rows
 (split sizes from ``.tolist()``: capture them with
 ``torch._dynamo.config.capture_scalar_outputs = True``, or dynamo breaks the graph there).
-The experts run as grouped matmuls (``torch._grouped_mm``, ``expert_form="grouped"``) over
-the received rows, one group per (source rank, local expert). torch's meta kernel of
-``_grouped_mm`` accepts only bf16 on CPU, so compile this form in bf16.
+The experts run over the received rows, one group per (source rank, local expert), as
+grouped matmuls (``torch._grouped_mm``, ``expert_form="grouped"``: torch's meta kernel of
+``_grouped_mm`` accepts only bf16 on CPU, so compile it in bf16) or as a Python loop over
+the groups (``expert_form="loop"``, any dtype: ``recv.split(sizes)``, a matmul chain per
+group, ``cat``, as Megatron's SequentialMLP).
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ class MoEConfig:
     """Slots per expert = ceil(capacity_factor * tokens * top_k / n_experts)."""
     expert_form: str = "bmm"
     """How expert GEMMs are written: "bmm", "loop" or "grouped" (capacity form), "grouped"
-    (dropless form)."""
+    or "loop" (dropless form)."""
     form: str = "capacity"
     """"capacity" (padded slots, even all-to-alls) or "dropless" (uneven, run-time splits)."""
     skew: float = 0.0
@@ -62,7 +64,7 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.form={self.form!r}; allowed: 'capacity', 'dropless'")
         if self.form == "dropless" and self.expert_form == "bmm":
             self.expert_form = "grouped"  # the default, adapted to the form
-        allowed = ("bmm", "loop", "grouped") if self.form == "capacity" else ("grouped",)
+        allowed = ("bmm", "loop", "grouped") if self.form == "capacity" else ("grouped", "loop")
         if self.expert_form not in allowed:
             raise ValueError(f"MoEConfig.expert_form={self.expert_form!r} with form={self.form!r}; "
                              f"allowed: {', '.join(map(repr, allowed))}")
@@ -167,6 +169,17 @@ class MoE(nn.Module):
         y = back[slot] * (gate.reshape(-1, 1) * keep.unsqueeze(1).to(x.dtype))
         return y.view(t, cfg.top_k, d).sum(1)
 
+    def _dropless_loop(self, recv, counts_recv):
+        """The experts as a Python loop over the (source rank, local expert) groups of the
+        received rows, one matmul chain per group (as Megatron's SequentialMLP)."""
+        sizes = counts_recv.tolist()
+        outs = []
+        for g, rows in enumerate(recv.split(sizes)):
+            e = g % self.n_local
+            h = F.silu(rows @ self.w1[e]) * (rows @ self.w3[e])
+            outs.append(h @ self.w2[e])
+        return torch.cat(outs)
+
     def _forward_dropless(self, x):
         cfg, ep, n_local = self.cfg, self.ep, self.n_local
         t, d = x.shape
@@ -183,14 +196,24 @@ class MoE(nn.Module):
             from torch.distributed import _functional_collectives as fc
             # counts_recv[r * n_local + e]: tokens rank r sends to my local expert e.
             counts_recv = fc.wait_tensor(fc.all_to_all_single(counts, None, None, self.group))
-            in_splits = counts.view(ep, n_local).sum(1).tolist()
-            out_splits = counts_recv.view(ep, n_local).sum(1).tolist()
+            if cfg.expert_form == "loop":
+                # The loop splits the received rows by these sizes: the all-to-all's splits
+                # are their sums, so that the pieces add up to the rows received.
+                sent, got = counts.tolist(), counts_recv.tolist()
+                in_splits = [sum(sent[r * n_local:(r + 1) * n_local]) for r in range(ep)]
+                out_splits = [sum(got[r * n_local:(r + 1) * n_local]) for r in range(ep)]
+            else:
+                in_splits = counts.view(ep, n_local).sum(1).tolist()
+                out_splits = counts_recv.view(ep, n_local).sum(1).tolist()
             recv = fc.all_to_all_single_autograd(xs, out_splits, in_splits, self.group)
         # One group per (source rank, local expert), in the order rows arrive.
-        offs = torch.cumsum(counts_recv, 0).to(torch.int32)
-        w1, w3, w2 = (w.repeat(ep, 1, 1) for w in (self.w1, self.w3, self.w2))
-        h = F.silu(torch._grouped_mm(recv, w1, offs=offs)) * torch._grouped_mm(recv, w3, offs=offs)
-        out = torch._grouped_mm(h, w2, offs=offs)
+        if cfg.expert_form == "loop":
+            out = self._dropless_loop(recv, counts_recv)
+        else:
+            offs = torch.cumsum(counts_recv, 0).to(torch.int32)
+            w1, w3, w2 = (w.repeat(ep, 1, 1) for w in (self.w1, self.w3, self.w2))
+            h = F.silu(torch._grouped_mm(recv, w1, offs=offs)) * torch._grouped_mm(recv, w3, offs=offs)
+            out = torch._grouped_mm(h, w2, offs=offs)
         if self.group is not None:
             from torch.distributed._functional_collectives import all_to_all_single_autograd
             out = all_to_all_single_autograd(out, in_splits, out_splits, self.group)

@@ -121,6 +121,13 @@ def _compile_static(gm, example_inputs, opts: Options, be: Backend):
     log.info("overlapc: compiling a graph of %d nodes (%s)", len(gm.graph.nodes), _brief(opts))
     from torch._functorch import config as functorch_config
 
+    # Before AOTAutograd, so that the backward it derives is grouped too.
+    from overlapc.passes.expert_loop import group_expert_loops
+    loops = group_expert_loops(gm, opts)
+    with _GLOBAL_LOCK:
+        be.report.extend(loops)
+    for s in loops:
+        log.info("overlapc: %s %s%s", s.name, s.status, f" ({s.reason})" if s.reason else "")
     # A cache hit would skip the passes, and with them the report.
     with functorch_config.patch(enable_autograd_cache=False):
         if opts.inner == "eager":

@@ -17,6 +17,7 @@ PATTERNS = (
     "all_to_all_matmul",
     "matmul_all_to_all",
     "microbatch",
+    "expert_loop",
     "collective",
 )
 GRAPHS = ("forward", "backward", "inference")

@@ -327,7 +327,7 @@ def _matmul_step(node: Node, axes: dict[Node, Axis]) -> Step | None:
     follows an axis on M, N or B (the other side narrowed along B too); an axis on K, on both
     sides, makes the output a sum of partial products."""
     lhs, rhs = node.args[0], node.args[1]
-    if static_shape(lhs) is None or static_shape(rhs) is None:
+    if node.target is ops.LOOP_GROUPED_MM or static_shape(lhs) is None or static_shape(rhs) is None:
         return None
     bmm = ops.is_batched_matmul(node)
     m, k, k2, n = (1, 2, 1, 2) if bmm else (0, 1, 0, 1)

@@ -34,12 +34,15 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from overlapc.runtime.dropless import DroplessPipeline, register
+from overlapc.runtime.grouped import GROUPED_MM as LOOP_GROUPED_MM
 
 from . import ops
 from .deps import DepGraph
 
 aten = torch.ops.aten
 GROUPED_MM = ops.GROUPED_MM
+GROUPED = tuple(t for t in (GROUPED_MM, LOOP_GROUPED_MM) if t is not None)
+"""Grouped matmuls with offsets: torch's, and overlapc's (an expert loop, passes/expert_loop.py)."""
 TRANSPOSES = {aten.t.default, aten.transpose.int}
 
 PIPELINE = "overlapc_dropless"
@@ -198,7 +201,7 @@ def _tail_gemm(n: Node, kinds: dict, pos: dict, before: int) -> list[Node] | Non
     """If ``n`` can run in the tail, its inputs from outside the body, else None: a matmul
     reading the body's rows whose other inputs exist before position ``before`` (the
     dispatch) and whose result has no run-time size (a weight gradient)."""
-    if n.op != "call_function" or not (n.target is aten.mm.default or (GROUPED_MM and n.target is GROUPED_MM)):
+    if n.op != "call_function" or not (n.target is aten.mm.default or n.target in GROUPED):
         return None
     v = ops.val(n)
     if v is None or not all(isinstance(x, int) for x in v.shape) or \
@@ -251,10 +254,10 @@ def _classify(n: Node, kinds: dict) -> tuple[str | None, str]:
         if kinds.get(a) == "row" and ops.val(a).dim() == 2 and dims == [0, 1]:
             return "rowT", ""
         return None, "transpose of something other than a 2-D row tensor"
-    if t is aten.mm.default or (GROUPED_MM is not None and t is GROUPED_MM):
+    if t is aten.mm.default or t in GROUPED:
         a, b = n.args[0], n.args[1]
         ka, kb = kinds.get(a), kinds.get(b)
-        if t is GROUPED_MM:
+        if t in GROUPED:
             if ops.arg(n, "bias") is not None:
                 return None, "grouped matmul with a bias"
             if ops.arg(n, "offs") in kinds:
@@ -272,7 +275,7 @@ def _classify(n: Node, kinds: dict) -> tuple[str | None, str]:
 def _input_roles(n: Node, kinds: dict):
     """(input, "row" | "const" | "offs" | "symbol") for the inputs of body node n from outside it."""
     out = ops.val(n)
-    offs = ops.arg(n, "offs") if n.target is GROUPED_MM else None
+    offs = ops.arg(n, "offs") if n.target in GROUPED else None
     for a in n.all_input_nodes:
         if a in kinds:
             continue
@@ -280,7 +283,7 @@ def _input_roles(n: Node, kinds: dict):
             yield a, "offs"
         elif ops.val(a) is None:
             yield a, "symbol"
-        elif n.target in (aten.mm.default, GROUPED_MM):
+        elif n.target is aten.mm.default or n.target in GROUPED:
             yield a, "const"
         else:  # pointwise: an operand of the output's full shape is read row by row
             va = ops.val(a)
@@ -290,7 +293,7 @@ def _input_roles(n: Node, kinds: dict):
 
 def pipeline_matmuls(p: Pipeline) -> list[Node]:
     """The body's GEMMs (``mm``, ``_grouped_mm``), in graph order."""
-    return [n for n in p.nodes if n.target is aten.mm.default or (GROUPED_MM is not None and n.target is GROUPED_MM)]
+    return [n for n in p.nodes if n.target is aten.mm.default or n.target in GROUPED]
 
 
 _BALANCED_ROWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -374,7 +377,7 @@ def pipeline_stages(p: Pipeline):
             a, b = ops.val(n.args[0]), ops.val(n.args[1])
             if p.kinds[n] == "row":  # (R, K) x (K, N) or grouped (R, K) x (G, K, N)
                 flops += 2 * rows * num(a.shape[-1]) * num(b.shape[-1])
-                groups = num(b.shape[0]) if n.target is GROUPED_MM else 1
+                groups = num(b.shape[0]) if n.target in GROUPED else 1
                 per_call_rows = min(per_call_rows, max(1, rows // groups))
             else:  # weight gradient, whole after the chunks: (K, R) x (R, N)
                 f = 2 * rows * num(a.shape[0]) * num(b.shape[-1])

@@ -38,6 +38,11 @@ MATMULS = {
 GROUPED_MM = aten._grouped_mm.default if hasattr(aten, "_grouped_mm") else None
 if GROUPED_MM is not None:
     MATMULS[GROUPED_MM] = (0, 1)
+from overlapc.runtime.grouped import GROUPED_MM as LOOP_GROUPED_MM  # noqa: E402 -- registers the op
+
+MATMULS[LOOP_GROUPED_MM] = (0, 1)
+"""overlapc's grouped matmul (an expert loop regrouped, passes/expert_loop.py): always with
+run-time offsets, so only dropless pipelines take it (passes/axis.py chunks none)."""
 
 # Ops that only change how a tensor's elements are laid out or typed: matching sees through
 # them. Each takes the tensor as its first argument.

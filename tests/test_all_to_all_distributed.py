@@ -60,7 +60,7 @@ def moe_job(config: dict, routings: list) -> dict:
     dtype = DTYPES[config["dtype"]]
     # "grouped" is the dropless form unless the case says capacity=True (grouped matmuls of
     # the packed (experts, slots, dim) buffer: a bmm by another name)
-    dropless = config["form"] == "grouped" and not config.get("capacity")
+    dropless = config.get("dropless", config["form"] == "grouped" and not config.get("capacity"))
     cfg = dict(n_experts=config.get("n_experts", 8), dim=32, hidden=48, top_k=config["top_k"],
                expert_form=config["form"], capacity_factor=config.get("capacity_factor", 2.0),
                form="dropless" if dropless else "capacity")
@@ -103,10 +103,11 @@ def moe_job(config: dict, routings: list) -> dict:
         for name, g in grads[0].items():
             torch.testing.assert_close(grads[1][name], g, **tol, msg=lambda s: f"{where} grad {name}: {s}")
             worst = max(worst, (grads[1][name].float() - g.float()).abs().max().item())
-    sites = [s for s in be.report.sites if s.pattern != "collective"]
+    loops = sorted({(s.graph, s.status, s.reason) for s in be.report.sites if s.pattern == "expert_loop"})
+    sites = [s for s in be.report.sites if s.pattern not in ("collective", "expert_loop")]
     tail = {s.details["pipeline"]["reduced_outputs"] for s in sites if s.graph == "backward" and "pipeline" in s.details}
     return {"max_abs_err": worst, "loads": loads, "pipeline_calls": DroplessPipeline.calls - calls_before,
-            "tail": sorted(tail),
+            "tail": sorted(tail), "expert_loops": loops,
             # a recompile (guards of another config's model failing here) reports them again
             "sites": sorted({(s.graph, s.pattern, s.status, s.chunks) for s in sites})}
 
@@ -162,6 +163,12 @@ DROPLESS_CASES = [
     dict(form="grouped", top_k=2, dtype="bf16", chunks=8, tokens=8),  # most chunks of a block empty
     # every rank its own token count: local shapes differ across ranks, plans must still agree
     dict(form="grouped", top_k=2, dtype="bf16", chunks=3, tokens=8, tokens_step=4),
+    # the experts as a Python loop over the groups (passes/expert_loop.py regroups it into
+    # overlapc::grouped_mm, which takes fp32 too). fp32: rows are the same per-row dot
+    # products in any chunk, but each weight gradient's per-expert sum over its groups may
+    # run in another order than eager's autograd (fp32 tolerance).
+    dict(form="loop", dropless=True, top_k=2, dtype="fp32", chunks=4),
+    dict(form="loop", dropless=True, top_k=1, dtype="bf16", chunks=3, tokens=8, tokens_step=4),
 ]
 
 
@@ -174,6 +181,8 @@ def _check_dropless(result, config, routings):
     # and the backward's three expert weight gradients are its tail (eager: their transposed
     # activations are made after the dispatch and hoisted above the op)
     assert result["tail"] == [3], result["tail"]
+    if config["form"] == "loop":  # regrouped before AOTAutograd: once, for both graphs
+        assert result["expert_loops"] == [("forward", "rewritten", None)], result["expert_loops"]
 
 
 @pytest.mark.distributed
@@ -221,7 +230,7 @@ def test_dropless_body_that_mixes_rows_is_left_alone(world2):
         assert r and all(st == "skipped" and "not computed row by row" in why for _, st, why in r), r
 
 
-def dropless_inductor_job(routings) -> list:
+def dropless_inductor_job(routings, expert_form="grouped") -> list:
     """inner="inductor": the pipeline is a torch.library op inside inductor's graph.
 
     inductor keeps fp32 intermediates where eager rounds to bf16 (router softmax, gate
@@ -239,7 +248,7 @@ def dropless_inductor_job(routings) -> list:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
-    cfg = moe.MoEConfig(n_experts=8, dim=32, hidden=48, top_k=2, form="dropless")
+    cfg = moe.MoEConfig(n_experts=8, dim=32, hidden=48, top_k=2, form="dropless", expert_form=expert_form)
     models = {k: moe.MoE(cfg, mesh.get_group()).to(torch.bfloat16) for k in ("truth", "base", "overlapc")}
     models["truth"].float()
     be = overlapc.backend(inner="inductor", strategy="decompose", chunks=3)
@@ -265,15 +274,17 @@ def dropless_inductor_job(routings) -> list:
             err = {k: (res[k][t].float() - ref).abs().max().item() for k in ("base", "overlapc")}
             ulp = ref.abs().max().item() * 2 ** -8
             out.append((kind, t, err["base"], err["overlapc"], ulp))
-    sites = {(s.graph, s.pattern, s.status, s.chunks) for s in be.report.sites if s.pattern != "collective"}
+    sites = {(s.graph, s.pattern, s.status, s.chunks) for s in be.report.sites
+             if s.pattern not in ("collective", "expert_loop")}
     return [out, DroplessPipeline.calls - calls, sorted(sites), DroplessPipeline.compiled_bodies - compiled]
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_moe_dropless_inductor(world2):
+@pytest.mark.parametrize("expert_form", ["grouped", pytest.param("loop", marks=pytest.mark.extended)])
+def test_moe_dropless_inductor(world2, expert_form):
     routings = ROUTINGS[:2]
-    for errs, calls, sites, compiled in world2.run(dropless_inductor_job, routings):
+    for errs, calls, sites, compiled in world2.run(dropless_inductor_job, routings, expert_form):
         assert calls == 2 * len(routings), calls
         assert compiled == 2, compiled  # the forward's and the backward's bodies, by inductor
         assert sites == sorted((g, p, "rewritten", 3) for g in ("forward", "backward")
@@ -320,7 +331,8 @@ def ulysses_job(config: dict) -> dict:
     torch.testing.assert_close(outs[1], outs[0], **tol, msg=lambda s: f"{where} forward: {s}")
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, **tol, msg=lambda s: f"{where} grad {name}: {s}")
-    sites = [s for s in be.report.sites if s.pattern != "collective"]
+    loops = sorted({(s.graph, s.status, s.reason) for s in be.report.sites if s.pattern == "expert_loop"})
+    sites = [s for s in be.report.sites if s.pattern not in ("collective", "expert_loop")]
     return sorted({(s.graph, s.status, s.chunks, s.details.get("axis", {}).get("extent")) for s in sites})
 
 
