@@ -99,6 +99,10 @@ class EmulatedCluster:
         if not self._up:
             return
         self._up = False
+        # A second signal while deleting (``timeout`` forwarding its SIGTERM, a ``pkill``
+        # that also hits the wrapper) would abort the loop and leave namespaces behind.
+        for sig in self._old_handlers:
+            signal.signal(sig, signal.SIG_IGN)
         for ns in [*self.rank_ns, self.bridge_ns]:
             _run("ip", "netns", "del", ns, check=False)
         for sig, h in self._old_handlers.items():

@@ -199,7 +199,7 @@ def _rewrite(gm: GraphModule, split: Node, cat: Node) -> list[str]:
                     len({(tuple(v.shape), v.dtype) for v in vals}) != 1 or \
                     not all(isinstance(s, int) for s in vals[0].shape):
                 raise NotALoop(f"the per-group operands {nodes[0].name}, ... are not 2-D tensors of one static shape")
-            template[nodes] = ("stacked", None)
+            template[nodes] = ("stacked", _bank(nodes))
             order.append(nodes)
             return "stacked"
         if not all(inside):
@@ -260,8 +260,8 @@ def _rewrite(gm: GraphModule, split: Node, cat: Node) -> list[str]:
         for nodes in order:
             kind, how = template[nodes]
             first = nodes[0]
-            if kind == "stacked":
-                new[nodes] = graph.call_function(torch.stack, ([*nodes],))
+            if kind == "stacked":  # an expert bank read per group, or a stacked copy
+                new[nodes] = how[0] if how else graph.call_function(torch.stack, ([*nodes],))
                 continue
             args = tuple(get(tuple(x.args[i] for x in nodes)) for i in range(len(first.args)))
             kwargs = {k: get(tuple(x.kwargs[k] for x in nodes)) for k in first.kwargs}
@@ -269,7 +269,9 @@ def _rewrite(gm: GraphModule, split: Node, cat: Node) -> list[str]:
                 w = args[1]
                 if how == "linear":
                     w = graph.call_method("transpose", (w, -2, -1))
-                new[nodes] = graph.call_function(torch.ops.overlapc.grouped_mm.default, (args[0], w, offs))
+                bank = template[tuple(x.args[1] for x in nodes)][1]
+                extra = (bank[1],) if bank else ()
+                new[nodes] = graph.call_function(torch.ops.overlapc.grouped_mm.default, (args[0], w, offs, *extra))
             elif first.op == "call_method":
                 new[nodes] = graph.call_method(first.target, args, kwargs)
             else:
@@ -281,6 +283,25 @@ def _rewrite(gm: GraphModule, split: Node, cat: Node) -> list[str]:
         graph.erase_node(x)
     graph.erase_node(split)
     return matmuls
+
+
+def _bank(nodes: tuple) -> tuple[Node, list[int]] | None:
+    """(W, [i_0, ...]) if the per-group weights are ``W[i_g]`` of one 3-D tensor W (an expert
+    bank, e.g. a stacked parameter): the grouped matmul indexes it instead of stacking copies."""
+    bank, index = None, []
+    for x in nodes:
+        if not (x.op == "call_function" and x.target is operator.getitem and isinstance(x.args[0], Node)
+                and isinstance(x.args[1], int)):
+            return None
+        if bank is None:
+            bank = x.args[0]
+        elif x.args[0] is not bank:
+            return None
+        index.append(x.args[1])
+    v = _val(bank)
+    if not isinstance(v, torch.Tensor) or v.dim() != 3 or not isinstance(v.shape[0], int):
+        return None
+    return bank, [i % v.shape[0] for i in index]
 
 
 def _sizes_tensor(sizes) -> Node:

@@ -365,9 +365,11 @@ from hypothesis import strategies as st  # noqa: E402
 
 @st.composite
 def random_routing_case(draw):
-    form = draw(st.sampled_from(["bmm", "loop", "grouped"]))
-    case = dict(form=form, top_k=draw(st.integers(1, 2)), dtype="bf16" if form == "grouped" else "fp32",
+    form = draw(st.sampled_from(["bmm", "loop", "grouped", "dropless loop"]))
+    case = dict(form=form.split()[-1], top_k=draw(st.integers(1, 2)), dtype="bf16" if form == "grouped" else "fp32",
                 chunks=draw(st.sampled_from([2, 3, 4, 8])))
+    if form == "dropless loop":
+        case["dropless"] = True
     routings = [(draw(st.sampled_from(["uniform", "skewed", "1.0", "5.0", "20.0"])), draw(st.integers(0, 10**6)))
                 for _ in range(2)]
     return case, routings
@@ -382,7 +384,7 @@ def test_moe_property_random_routings(world2, case):
     compiled per (form, top-k, chunks), reused across examples: zero mismatches."""
     config, routings = case
     for r in world2.run(moe_job, config, routings):
-        if config["form"] == "grouped":
+        if config["form"] == "grouped" or config.get("dropless"):
             _check_dropless(r, config, routings)
         else:
             _check_sites(r, config["chunks"])

@@ -22,20 +22,27 @@ def _operands(dtype=torch.float64, sizes=SIZES, k=5, n=6, seed=0):
             torch.tensor(sizes))
 
 
-def test_grouped_mm_is_the_loop_forward_and_backward():
+@pytest.mark.parametrize("index", [None, [1, 0, 1, 0]])
+def test_grouped_mm_is_the_loop_forward_and_backward(index):
+    """Without index: one weight per group. With it: a bank of 2 experts, each read by two
+    groups (as a loop over (source rank, local expert) groups reads it)."""
     x, w, counts = _operands()
+    if index is not None:
+        w = w[:2]
+    pick = index or list(range(len(SIZES)))
     offs = torch.cumsum(counts, 0)
     x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
     x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y1 = grouped_mm(x1, w1, offs)
-    y2 = torch.cat([rows @ w2[g] for g, rows in enumerate(x2.split(SIZES))])
+    y1 = grouped_mm(x1, w1, offs, index)
+    y2 = torch.cat([rows @ w2[pick[g]] for g, rows in enumerate(x2.split(SIZES))])
     assert torch.equal(y1, y2)  # the same mm per group, on the same rows
     grad = torch.randn_like(y1)
     y1.backward(grad)
     y2.backward(grad)
     torch.testing.assert_close(x1.grad, x2.grad, rtol=0, atol=1e-12)
     torch.testing.assert_close(w1.grad, w2.grad, rtol=0, atol=1e-12)
-    assert torch.equal(w1.grad[1], torch.zeros_like(w1.grad[1]))  # the empty group's weight
+    if index is None:
+        assert torch.equal(w1.grad[1], torch.zeros_like(w1.grad[1]))  # the empty group's weight
 
 
 def test_grouped_mm_weight_gradient_form_and_bad_offsets():
@@ -50,6 +57,8 @@ def test_grouped_mm_weight_gradient_form_and_bad_offsets():
             grouped_mm(torch.empty(4, 5), torch.empty(2, 5, 6), torch.empty(2))
         with pytest.raises(ValueError, match=r"takes \(R, K\) x \(G, K, N\) or \(K, R\) x \(R, N\)"):
             grouped_mm(torch.empty(4, 5, 1), torch.empty(2, 5, 6), torch.empty(2, dtype=torch.int64))
+        with pytest.raises(ValueError, match=r"index \[0, 2\] must give each of the 2 groups a weight in 0..1"):
+            grouped_mm(torch.empty(4, 5), torch.empty(2, 5, 6), torch.empty(2, dtype=torch.int64), [0, 2])
 
 
 # ------------------------------------------------------------------------- the pass
@@ -129,6 +138,9 @@ def test_a_loop_over_run_time_groups_becomes_grouped_matmuls(fn):
     gmm, mm = torch.ops.overlapc.grouped_mm.default, torch.ops.aten.mm.default
     n = 3 if fn is _swiglu_loop else 2
     assert _count(be, "forward", gmm) == n and _count(be, "forward", mm) == 0
+    # w1[g] of one bank is read in place (index), no stacked copy; w1[g].t() is stacked
+    stacks = _count(be, "forward", torch.ops.aten.stack.default) + _count(be, "forward", torch.ops.aten.cat.default)
+    assert stacks == (0 if fn is _swiglu_loop else 2), stacks
     # the backward AOTAutograd derived: data and weight gradients, grouped, no per-group mm
     assert _count(be, "backward", gmm) == 2 * n and _count(be, "backward", mm) == 0
 

@@ -8,6 +8,13 @@ row-wise body with run-time group offsets, as it does for ``torch._grouped_mm``.
     grouped_mm(a (R, K), b (G, K, N), offs) -> (R, N)       rows [offs[g-1], offs[g]) by b[g]
     grouped_mm(a (K, R), b (R, N), offs)    -> (G, K, N)    the sum over group g's rows
 
+and, with ``index`` (group g -> which of ``b``'s weights), an expert bank used as it is
+instead of a stacked copy per group (a loop over (source rank, local expert) groups reads
+each local expert once per source rank)::
+
+    grouped_mm(a (R, K), b (E, K, N), offs, index) -> (R, N)          rows of group g by b[index[g]]
+    grouped_mm(a (K, R), b (R, N), offs, index, E) -> (E, K, N)       group sums added per index
+
 ``offs`` holds the groups' cumulative row counts (int32 or int64; the last is R). Each group
 runs as the ``mm`` the user's loop ran, on the same rows, so the forward is bit-for-bit the
 loop's; the backward is this op again (``_grouped_mm``'s own kernels take only bf16 on the
@@ -24,33 +31,47 @@ def _ends(offs: torch.Tensor) -> list[int]:
 
 
 @torch.library.custom_op("overlapc::grouped_mm", mutates_args=())
-def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """See the module docstring."""
+def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, index: list[int] | None = None,
+               n_out: int = -1) -> torch.Tensor:
+    """See the module docstring. ``index``: group g uses weight ``mat_b[index[g]]`` (an expert
+    bank indexed per group: no stacked copy of the weights), and in the weight-gradient
+    form adds its sum into ``out[index[g]]`` of ``n_out`` weights."""
     ends = _ends(offs)
+    pick = index if index is not None else range(len(ends))
     if mat_b.dim() == 3:  # rows by per-group weights
         out = mat_a.new_empty((mat_a.shape[0], mat_b.shape[-1]))
         start = 0
-        for g, end in enumerate(ends):
-            torch.mm(mat_a[start:end], mat_b[g], out=out[start:end])
+        for end, w in zip(ends, pick):
+            torch.mm(mat_a[start:end], mat_b[w], out=out[start:end])
             start = end
         return out
-    out = mat_a.new_empty((len(ends), mat_a.shape[0], mat_b.shape[-1]))
-    start = 0
-    for g, end in enumerate(ends):  # per-group sums over rows (weight gradients)
-        torch.mm(mat_a[:, start:end], mat_b[start:end], out=out[g])
-        start = end
+    # per-group sums over rows (weight gradients)
+    n = n_out if index is not None else len(ends)
+    out = mat_a.new_zeros((n, mat_a.shape[0], mat_b.shape[-1])) if index is not None else \
+        mat_a.new_empty((n, mat_a.shape[0], mat_b.shape[-1]))
+    starts = [0, *ends[:-1]]
+    if index is None:
+        for g, (start, end) in enumerate(zip(starts, ends)):
+            torch.mm(mat_a[:, start:end], mat_b[start:end], out=out[g])
+        return out
+    # Each group's product rounded to the dtype, then added, last group first: as eager's
+    # autograd sums the gradient of a weight that several groups read (it reaches the
+    # weight from the last group first). addmm_ would round once: 1 bf16 ulp off eager.
+    for g in reversed(range(len(ends))):
+        out[index[g]] += torch.mm(mat_a[:, starts[g]:ends[g]], mat_b[starts[g]:ends[g]])
     return out
 
 
 @grouped_mm.register_fake
-def _(mat_a, mat_b, offs):
-    _check(mat_a, mat_b, offs)
+def _(mat_a, mat_b, offs, index=None, n_out=-1):
+    _check(mat_a, mat_b, offs, index, n_out)
     if mat_b.dim() == 3:
         return mat_a.new_empty((mat_a.shape[0], mat_b.shape[-1]))
-    return mat_a.new_empty((offs.shape[0], mat_a.shape[0], mat_b.shape[-1]))
+    n = n_out if index is not None else offs.shape[0]
+    return mat_a.new_empty((n, mat_a.shape[0], mat_b.shape[-1]))
 
 
-def _check(a, b, offs):
+def _check(a, b, offs, index, n_out):
     if offs.dim() != 1 or offs.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"overlapc::grouped_mm: offs must be a 1-D int32/int64 tensor, got {offs.dtype} "
                          f"of shape {tuple(offs.shape)}")
@@ -59,13 +80,19 @@ def _check(a, b, offs):
                          f"{tuple(a.shape)} x {tuple(b.shape)}")
     torch._check(a.shape[1] == b.shape[-2],
                  lambda: f"overlapc::grouped_mm: inner sizes differ: {tuple(a.shape)} x {tuple(b.shape)}")
-    if b.dim() == 3:
+    if index is not None:
+        n = b.shape[0] if b.dim() == 3 else n_out
+        if len(index) != offs.shape[0] or not all(0 <= i < n for i in index):
+            raise ValueError(f"overlapc::grouped_mm: index {list(index)} must give each of the {offs.shape[0]} "
+                             f"groups a weight in 0..{n - 1}")
+    elif b.dim() == 3:
         torch._check(b.shape[0] == offs.shape[0],
                      lambda: f"overlapc::grouped_mm: {b.shape[0]} weights for {offs.shape[0]} groups")
 
 
 def _setup(ctx, inputs, output):
-    a, b, offs = inputs
+    a, b, offs, index, _ = inputs
+    ctx.index = index
     ctx.save_for_backward(a, b, offs)
 
 
@@ -76,10 +103,10 @@ def _backward(ctx, grad):
                            "((K, R) x (R, N)) is not implemented (double backward)")
     grad_a = grad_b = None
     if ctx.needs_input_grad[0]:
-        grad_a = grouped_mm(grad, b.transpose(-2, -1), offs)
+        grad_a = grouped_mm(grad, b.transpose(-2, -1), offs, ctx.index)
     if ctx.needs_input_grad[1]:
-        grad_b = grouped_mm(a.t(), grad, offs)
-    return grad_a, grad_b, None
+        grad_b = grouped_mm(a.t(), grad, offs, ctx.index, b.shape[0])
+    return grad_a, grad_b, None, None, None
 
 
 grouped_mm.register_autograd(_backward, setup_context=_setup)
