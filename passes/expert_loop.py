@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import operator
 
+import networkx as nx
 import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from overlapc.report import Site
+
+from .deps import DepGraph
 
 PATTERN = "expert_loop"
 
@@ -71,12 +74,15 @@ def group_expert_loops(gm: GraphModule, options=None, graph_kind: str = "forward
     ``split`` ... ``cat`` considered: rewritten, skipped with the reason, or found (left as
     it is: strategy "none" for its name, e.g. ``overrides={"*expert_loop*": {"strategy":
     "none"}}``)."""
-    sites = []
+    sites, deps = [], None
     for cat in [n for n in gm.graph.nodes if _is(n, _CATS)]:
+        if deps is not None and cat not in deps.g:
+            continue  # erased: it was inside a loop rewritten before
         outs = _arg(cat, 0, "tensors")
         if not isinstance(outs, (list, tuple)) or len(outs) < 2 or _arg(cat, 1, "dim", 0) != 0:
             continue
-        split = _split_of(gm.graph, outs)
+        deps = deps or DepGraph(gm.graph)
+        split = _split_of(gm.graph, outs, deps)
         if split is None:
             continue
         name = f"{graph_kind}:{_module(cat)}:{PATTERN}"
@@ -88,8 +94,9 @@ def group_expert_loops(gm: GraphModule, options=None, graph_kind: str = "forward
             sites.append(site)
             continue
         try:
-            site.matmuls = _rewrite(gm, split, cat)
+            site.matmuls = _rewrite(gm, split, cat, deps)
             site.status = "rewritten"
+            deps.refresh()
         except NotALoop as e:
             site.reason = str(e)
         sites.append(site)
@@ -107,12 +114,12 @@ def _module(n: Node) -> str:
     return path.replace("L['self'].", "").replace("L['self']", "")
 
 
-def _split_of(graph, outs) -> Node | None:
+def _split_of(graph, outs, deps: DepGraph) -> Node | None:
     """The split whose piece g the cat's input g is computed from, for every g (a loop over
     the pieces), or None."""
     if not all(isinstance(o, Node) for o in outs):
         return None
-    ancestors = [_ancestors(o) for o in outs]
+    ancestors = [deps.ancestors(o) | {o} for o in outs]
     for n in graph.nodes:  # in graph order: the same choice on every rank
         if n not in ancestors[0] or not _is(n, _SPLITS_F, _SPLITS_M):
             continue
@@ -122,27 +129,7 @@ def _split_of(graph, outs) -> Node | None:
     return None
 
 
-def _ancestors(n: Node) -> set[Node]:
-    out, stack = {n}, [n]
-    while stack:
-        for a in stack.pop().all_input_nodes:
-            if a not in out:
-                out.add(a)
-                stack.append(a)
-    return out
-
-
-def _descendants(n: Node) -> set[Node]:
-    out, stack = set(), [n]
-    while stack:
-        for u in stack.pop().users:
-            if u not in out:
-                out.add(u)
-                stack.append(u)
-    return out
-
-
-def _rewrite(gm: GraphModule, split: Node, cat: Node) -> list[str]:
+def _rewrite(gm: GraphModule, split: Node, cat: Node, deps: DepGraph) -> list[str]:
     from overlapc.runtime.grouped import grouped_mm  # noqa: F401 -- registers the op
 
     outs = list(_arg(cat, 0, "tensors"))
@@ -164,7 +151,7 @@ def _rewrite(gm: GraphModule, split: Node, cat: Node) -> list[str]:
             pieces[u] = u.args[1]
         else:
             raise NotALoop(f"{split.name} is read by {u.name}, not only by picking its pieces")
-    under = _descendants(split)
+    under = nx.descendants(deps.g, split)
 
     template: dict[tuple, tuple[str, object]] = {}  # tuple of per-group nodes -> (kind, how)
     order: list[tuple] = []
