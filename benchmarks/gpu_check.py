@@ -532,6 +532,46 @@ def fused_ops_check(world: int = 2, timeout: float = 60.0) -> dict:
     return dict(world=world, ranks=ranks, failed=logs)
 
 
+def grouped_check(dev, smoke: bool, reps: int) -> dict:
+    """overlapc::grouped_mm (a dropless expert loop regrouped, passes/expert_loop.py) on this
+    device and torch: forward and gradients against the loop it replaces (the same mm per
+    group: expect exact), and its time beside the loop's and torch._grouped_mm's."""
+    from overlapc.runtime.grouped import grouped_mm
+
+    dtype = torch.bfloat16
+    g, e, k, n, rows = (4, 2, 64, 48, 16) if smoke else (16, 4, 4096, 2048, 1024)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    sizes = torch.randint(0, 2 * rows, (g,), generator=gen).tolist()
+    sizes[1] = 0  # an empty group
+    x = torch.randn(sum(sizes), k, generator=gen).to(dev, dtype)
+    w = (torch.randn(e, k, n, generator=gen) * k ** -0.5).to(dev, dtype)
+    index = [i % e for i in range(g)]
+    offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+    dy = torch.randn(sum(sizes), n, generator=gen).to(dev, dtype)
+
+    def loop(xx, ww):
+        return torch.cat([r @ ww[index[i]] for i, r in enumerate(xx.split(sizes))])
+
+    res = {}
+    for name, f in (("op", lambda xx, ww: grouped_mm(xx, ww, offs, index)), ("loop", loop)):
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = f(xx, ww)
+        y.backward(dy)
+        res[name] = (y.detach(), xx.grad, ww.grad)
+    errs = {t: (a.float() - b.float()).abs().max().item() for t, a, b in zip(("y", "dx", "dw"), res["op"], res["loop"])}
+    out = {"groups": g, "experts": e, "K": k, "N": n, "rows": sum(sizes), "max_err_vs_loop": errs}
+    flops = 2 * sum(sizes) * k * n
+    out["tflops_op"] = flops / _bench(lambda: grouped_mm(x, w, offs, index), reps) / 1e12
+    out["tflops_loop"] = flops / _bench(lambda: loop(x, w), reps) / 1e12
+    if dev.type == "cuda" and hasattr(torch, "_grouped_mm"):
+        wg = w[index].contiguous()
+        try:
+            out["tflops_torch_grouped_mm"] = flops / _bench(lambda: torch._grouped_mm(x, wg, offs=offs), reps) / 1e12
+        except Exception as ex:  # noqa: BLE001 -- a torch/GPU without the kernel: say so
+            out["torch_grouped_mm"] = f"{type(ex).__name__}: {ex}"
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes (runs under the interpreter on a CPU)")
@@ -539,7 +579,7 @@ def main(argv=None):
     p.add_argument("--out", default="gpu_check.json")
     p.add_argument("--budget", type=float, default=240.0,
                    help="seconds after which no further kernel check starts (the workspace check still runs)")
-    p.add_argument("--stage", default="all", choices=["all", "rs", "ag", "pipe", "workspace", "ops"],
+    p.add_argument("--stage", default="all", choices=["all", "rs", "ag", "pipe", "workspace", "ops", "grouped"],
                    help="run one part only (a GPU hang ends its process: run the parts as separate processes)")
     p.add_argument("--ops", type=int, default=2, metavar="WORLD",
                    help="ranks (processes, one GPU each) of the fused-op check (0: skip it)")
@@ -568,7 +608,7 @@ def main(argv=None):
     env = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)",
                torch=torch.__version__, triton=triton.__version__, python=platform.python_version())
     print(f"gpu_check: {env}", flush=True)
-    out = dict(env=env, rows=[], errors=[], workspace=None, ops=None)
+    out = dict(env=env, rows=[], errors=[], workspace=None, ops=None, grouped=None)
 
     def save():
         with open(args.out, "w") as f:
@@ -601,6 +641,16 @@ def main(argv=None):
                 out["errors"].append(f"{name} {M}x{K}x{N}: {type(e).__name__}: {e}")
                 print(f"[{time.time() - t0:5.0f} s] FAIL {name} {M}x{K}x{N}\n{traceback.format_exc()}", flush=True)
             save()
+    if st in ("all", "grouped"):
+        try:
+            out["grouped"] = gr = grouped_check(dev, args.smoke, args.reps)
+            print(f"grouped_mm: {gr}", flush=True)
+            if any(v != 0 for v in gr["max_err_vs_loop"].values()):
+                out["errors"].append(f"grouped_mm differs from the loop it replaces: {gr['max_err_vs_loop']}")
+        except Exception as e:
+            out["errors"].append(f"grouped_mm: {type(e).__name__}: {e}")
+            print(f"FAIL grouped_mm\n{traceback.format_exc()}", flush=True)
+        save()
     if args.ops and st in ("all", "ops"):
         out["ops"] = sh = fused_ops_check(args.ops)
         if sh.get("skipped"):

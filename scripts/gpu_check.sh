@@ -21,4 +21,5 @@ run pipe 75        # the AG consumer with a producer on a side stream
 run ag 75          # AG consumer GEMM rate against torch.mm, 4 shapes
 run rs 75          # RS producer GEMM rate against torch.mm, 4 shapes
 run ops 70         # the fused ops between processes (skipped with fewer GPUs than ranks)
-grep -E "^(FAIL|error|stage|kernel|ag_gemm|gemm_rs|workspace \(|fused ops)" "$log" | cut -c1-400
+run grouped 40     # overlapc::grouped_mm (dropless expert loops) against the loop, and its rate
+grep -E "^(FAIL|error|stage|kernel|ag_gemm|gemm_rs|workspace \(|fused ops|grouped_mm)" "$log" | cut -c1-400

@@ -486,6 +486,7 @@ def test_gpu_check_smoke_runs_every_part(tmp_path):
     assert [r["tflops_with_producer"] > 0 for r in res["rows"] if r["kernel"] == "ag_gemm+producer"] == [True]
     w = res["workspace"]
     assert w["flags_ok"] and w["data_ok"] and w["pipelined_ok"] and w["abort_ok"], w
+    assert res["grouped"]["max_err_vs_loop"] == {"y": 0.0, "dx": 0.0, "dw": 0.0}, res["grouped"]
     ops = res["ops"]
     assert ops["failed"] == [] and len(ops["ranks"]) == 2
     for r in ops["ranks"]:

@@ -23,6 +23,8 @@ kernel of its own either: its speed is that of the loop it replaces).
 """
 from __future__ import annotations
 
+from typing import List, Optional
+
 import torch
 
 
@@ -30,9 +32,10 @@ def _ends(offs: torch.Tensor) -> list[int]:
     return [int(e) for e in offs.tolist()]
 
 
+# Optional[List[int]]: typing's spelling, which every torch's schema inference reads (2.11 too).
 @torch.library.custom_op("overlapc::grouped_mm", mutates_args=())
-def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, index: list[int] | None = None,
-               n_out: int = -1) -> torch.Tensor:
+def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor,
+               index: Optional[List[int]] = None, n_out: int = -1) -> torch.Tensor:  # noqa: UP006, UP045
     """See the module docstring. ``index``: group g uses weight ``mat_b[index[g]]`` (an expert
     bank indexed per group: no stacked copy of the weights), and in the weight-gradient
     form adds its sum into ``out[index[g]]`` of ``n_out`` weights."""
