@@ -123,7 +123,7 @@ def _compile_static(gm, example_inputs, opts: Options, be: Backend):
 
     # Before AOTAutograd, so that the backward it derives is grouped too.
     from overlapc.passes.expert_loop import group_expert_loops
-    loops = group_expert_loops(gm, opts)
+    loops = group_expert_loops(gm, opts, "forward" if torch.is_grad_enabled() else "inference")
     with _GLOBAL_LOCK:
         be.report.extend(loops)
     for s in loops:

@@ -11,7 +11,8 @@ After AOTAutograd, forward and backward hold G copies of the expert's graph, eac
 slice of the rows, with the weight gradients summed per expert: nothing passes/dropless.py
 can cut into chunks of rows. This pass runs on Dynamo's graph, before AOTAutograd, and
 replaces the G copies with one graph over all the rows, each matmul by per-group weights
-becoming ``overlapc::grouped_mm(rows, stack(weights), offs)`` (overlapc/runtime/grouped.py:
+becoming ``overlapc::grouped_mm(rows, W, offs[, index])`` (W: the expert bank the weights
+are ``W[e_g]`` of, read in place through ``index``; else the weights stacked) (overlapc/runtime/grouped.py:
 the same per-group matmuls, and a backward of the same op), ``offs`` the cumulative sizes.
 AOTAutograd then derives a backward of grouped matmuls too, and both graphs' all-to-all
 pairs become dropless pipelines.
@@ -34,6 +35,7 @@ from torch.fx import GraphModule, Node
 
 from overlapc.report import Site
 
+from . import ops
 from .deps import DepGraph
 
 PATTERN = "expert_loop"
@@ -85,7 +87,7 @@ def group_expert_loops(gm: GraphModule, options=None, graph_kind: str = "forward
         split = _split_of(gm.graph, outs, deps)
         if split is None:
             continue
-        name = f"{graph_kind}:{_module(cat)}:{PATTERN}"
+        name = f"{graph_kind}:{ops.module_path(cat) or ''}:{PATTERN}"
         name += f"#{sum(s.name.startswith(name) for s in sites)}" if any(s.name == name for s in sites) else ""
         site = Site(name=name, pattern=PATTERN, graph=graph_kind, status="skipped", collective=split.name,
                     details={"groups": len(outs)})
@@ -106,21 +108,13 @@ def group_expert_loops(gm: GraphModule, options=None, graph_kind: str = "forward
     return sites
 
 
-def _module(n: Node) -> str:
-    stack = n.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    return path.replace("L['self'].", "").replace("L['self']", "")
-
-
 def _split_of(graph, outs, deps: DepGraph) -> Node | None:
     """The split whose piece g the cat's input g is computed from, for every g (a loop over
     the pieces), or None."""
     if not all(isinstance(o, Node) for o in outs):
         return None
     ancestors = [deps.ancestors(o) | {o} for o in outs]
-    for n in graph.nodes:  # in graph order: the same choice on every rank
+    for n in reversed(graph.nodes):  # the nearest such split (graph order: the same on every rank)
         if n not in ancestors[0] or not _is(n, _SPLITS_F, _SPLITS_M):
             continue
         pieces = {u.args[1]: u for u in n.users if u.op == "call_function" and u.target is operator.getitem}
@@ -169,6 +163,8 @@ def _rewrite(gm: GraphModule, split: Node, cat: Node, deps: DepGraph) -> list[st
             if first in under:
                 raise NotALoop(f"{first.name}, computed from the rows of every group, is read by each group")
             v = _val(first)
+            if v is None:
+                raise NotALoop(f"every group reads {first.name}, whose value the graph does not record")
             if isinstance(v, torch.Tensor) and v.dim() >= 2:
                 raise NotALoop(f"every group reads the same {v.dim()}-D tensor {first.name}; a shared "
                                "tensor can only be a scalar or a vector broadcast along the rows")
@@ -205,6 +201,10 @@ def _rewrite(gm: GraphModule, split: Node, cat: Node, deps: DepGraph) -> list[st
                 raise NotALoop(f"{first.name}: a linear layer with a bias per group")
             if len(first.args) != 2 or first.kwargs or args != ["rows", "stacked"]:
                 raise NotALoop(f"{first.name}: a matmul that is not the group's rows by a per-group weight")
+            dts = {getattr(_val(x), "dtype", None) for x in (first, *first.args)}
+            if len(dts) != 1 or None in dts:
+                raise NotALoop(f"{first.name}: the matmul's result and operands have dtypes {sorted(map(str, dts))} "
+                               "(autocast casts them; overlapc::grouped_mm has no autocast rule)")
             template[nodes] = ("rows", "linear" if linear else "matmul")
             matmuls.append(first.name)
         elif _is(first, _POINTWISE_F, _POINTWISE_M):
@@ -263,7 +263,9 @@ def _rewrite(gm: GraphModule, split: Node, cat: Node, deps: DepGraph) -> list[st
                 new[nodes] = graph.call_method(first.target, args, kwargs)
             else:
                 new[nodes] = graph.call_function(first.target, args, kwargs)
-    cat.replace_all_uses_with(new[tuple(outs)])
+    result = new[tuple(outs)]
+    result.meta.update({k: v for k, v in cat.meta.items() if k in ("example_value", "nn_module_stack", "stack_trace")})
+    cat.replace_all_uses_with(result)
     graph.erase_node(cat)
     pos = {n: i for i, n in enumerate(graph.nodes)}
     for x in sorted(per_group | set(pieces), key=pos.get, reverse=True):

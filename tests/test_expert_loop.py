@@ -80,6 +80,18 @@ def _linear_loop(x, counts, w1, w3, w2):
     return torch.cat(outs)
 
 
+def _chained_loops(x, counts, w1, w3, w2):
+    """Two loops, the second over the first's result; a vector shared by every group."""
+    b = w3[0, 0]
+    h = torch.cat([F.silu(rows @ w1[g]) + b for g, rows in enumerate(x.split(counts.tolist()))])
+    return torch.cat([rows @ w2[g] for g, rows in enumerate(h.split(counts.tolist()))])
+
+
+def _autocast_loop(x, counts, w1, w3, w2):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return _swiglu_loop(x, counts, w1, w3, w2)
+
+
 def _static_loop(x, counts, w1, w3, w2):
     return torch.cat([rows @ w1[g] for g, rows in enumerate(x.split(SIZES))])
 
@@ -109,7 +121,7 @@ def _compile_and_compare(fn, dtype=torch.float32):
     w1, w3 = (torch.randn(len(SIZES), 8, 12, generator=g).to(dtype) for _ in range(2))
     w2 = torch.randn(len(SIZES), 12, 8, generator=g).to(dtype)
     counts = torch.tensor(SIZES)
-    be = Backend(Options(strategy="decompose"), keep_graphs=True, verify_plans=False)
+    be = Backend(Options(strategy="decompose", inner="eager"), keep_graphs=True, verify_plans=False)
     results = []
     torch._dynamo.reset()
     for f in (fn, torch.compile(fn, backend=be, fullgraph=True)):
@@ -119,6 +131,7 @@ def _compile_and_compare(fn, dtype=torch.float32):
         y.backward(torch.ones_like(y))
         results.append((y.detach(), [a.grad for a in args]))
     (y0, g0), (y1, g1) = results
+    assert y1.dtype == y0.dtype
     torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-5)
     for a, b in zip(g1, g0):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -145,8 +158,16 @@ def test_a_loop_over_run_time_groups_becomes_grouped_matmuls(fn):
     assert _count(be, "backward", gmm) == 2 * n and _count(be, "backward", mm) == 0
 
 
+def test_chained_loops_are_both_regrouped():
+    be = _compile_and_compare(_chained_loops)
+    sites = be.report.by(pattern="expert_loop")
+    assert [s.status for s in sites] == ["rewritten", "rewritten"], sites
+    assert _count(be, "forward", torch.ops.overlapc.grouped_mm.default) == 2
+
+
 @pytest.mark.parametrize("fn, why", [
     (_static_loop, "a loop over sizes known at compile time is not grouped"),
+    (_autocast_loop, "autocast casts them"),
     (_mixed_loop, "the groups' graphs differ at"),
     (_leaky_loop, "is also read by"),
 ])

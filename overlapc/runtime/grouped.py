@@ -39,7 +39,11 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor,
     """See the module docstring. ``index``: group g uses weight ``mat_b[index[g]]`` (an expert
     bank indexed per group: no stacked copy of the weights), and in the weight-gradient
     form adds its sum into ``out[index[g]]`` of ``n_out`` weights."""
+    _check(mat_a, mat_b, offs, index, n_out)
     ends = _ends(offs)
+    rows = mat_a.shape[0] if mat_b.dim() == 3 else mat_a.shape[1]
+    if ends and ends[-1] != rows or any(b < a for a, b in zip([0, *ends], ends)):
+        raise ValueError(f"overlapc::grouped_mm: offsets {ends} must rise to the {rows} rows")
     pick = index if index is not None else range(len(ends))
     if mat_b.dim() == 3:  # rows by per-group weights
         out = mat_a.new_empty((mat_a.shape[0], mat_b.shape[-1]))
