@@ -34,15 +34,17 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from overlapc.runtime.dropless import DroplessPipeline, register
-from overlapc.runtime.grouped import GROUPED_MM as LOOP_GROUPED_MM
 
 from . import ops
 from .deps import DepGraph
 
 aten = torch.ops.aten
 GROUPED_MM = ops.GROUPED_MM
+LOOP_GROUPED_MM = ops.LOOP_GROUPED_MM
 GROUPED = tuple(t for t in (GROUPED_MM, LOOP_GROUPED_MM) if t is not None)
 """Grouped matmuls with offsets: torch's, and overlapc's (an expert loop, passes/expert_loop.py)."""
+GEMMS = frozenset({aten.mm.default, *GROUPED})
+"""The GEMMs a body may hold."""
 TRANSPOSES = {aten.t.default, aten.transpose.int}
 
 PIPELINE = "overlapc_dropless"
@@ -201,7 +203,7 @@ def _tail_gemm(n: Node, kinds: dict, pos: dict, before: int) -> list[Node] | Non
     """If ``n`` can run in the tail, its inputs from outside the body, else None: a matmul
     reading the body's rows whose other inputs exist before position ``before`` (the
     dispatch) and whose result has no run-time size (a weight gradient)."""
-    if n.op != "call_function" or not (n.target is aten.mm.default or n.target in GROUPED):
+    if n.op != "call_function" or n.target not in GEMMS:
         return None
     v = ops.val(n)
     if v is None or not all(isinstance(x, int) for x in v.shape) or \
@@ -254,7 +256,7 @@ def _classify(n: Node, kinds: dict) -> tuple[str | None, str]:
         if kinds.get(a) == "row" and ops.val(a).dim() == 2 and dims == [0, 1]:
             return "rowT", ""
         return None, "transpose of something other than a 2-D row tensor"
-    if t is aten.mm.default or t in GROUPED:
+    if t in GEMMS:
         a, b = n.args[0], n.args[1]
         ka, kb = kinds.get(a), kinds.get(b)
         if t in GROUPED:
@@ -283,7 +285,7 @@ def _input_roles(n: Node, kinds: dict):
             yield a, "offs"
         elif ops.val(a) is None:
             yield a, "symbol"
-        elif n.target is aten.mm.default or n.target in GROUPED:
+        elif n.target in GEMMS:
             yield a, "const"
         else:  # pointwise: an operand of the output's full shape is read row by row
             va = ops.val(a)
@@ -293,7 +295,7 @@ def _input_roles(n: Node, kinds: dict):
 
 def pipeline_matmuls(p: Pipeline) -> list[Node]:
     """The body's GEMMs (``mm``, ``_grouped_mm``), in graph order."""
-    return [n for n in p.nodes if n.target is aten.mm.default or n.target in GROUPED]
+    return [n for n in p.nodes if n.target in GEMMS]
 
 
 _BALANCED_ROWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -124,8 +124,6 @@ def _split_of(graph, outs, deps: DepGraph) -> Node | None:
 
 
 def _rewrite(gm: GraphModule, split: Node, cat: Node, deps: DepGraph) -> list[str]:
-    from overlapc.runtime.grouped import grouped_mm  # noqa: F401 -- registers the op
-
     outs = list(_arg(cat, 0, "tensors"))
     g_count = len(outs)
     rows = split.args[0]
@@ -258,7 +256,7 @@ def _rewrite(gm: GraphModule, split: Node, cat: Node, deps: DepGraph) -> list[st
                     w = graph.call_method("transpose", (w, -2, -1))
                 bank = template[tuple(x.args[1] for x in nodes)][1]
                 extra = (bank[1],) if bank else ()
-                new[nodes] = graph.call_function(torch.ops.overlapc.grouped_mm.default, (args[0], w, offs, *extra))
+                new[nodes] = graph.call_function(ops.LOOP_GROUPED_MM, (args[0], w, offs, *extra))
             elif first.op == "call_method":
                 new[nodes] = graph.call_method(first.target, args, kwargs)
             else:

@@ -44,26 +44,24 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor,
     rows = mat_a.shape[0] if mat_b.dim() == 3 else mat_a.shape[1]
     if ends and ends[-1] != rows or any(b < a for a, b in zip([0, *ends], ends)):
         raise ValueError(f"overlapc::grouped_mm: offsets {ends} must rise to the {rows} rows")
-    pick = index if index is not None else range(len(ends))
     if mat_b.dim() == 3:  # rows by per-group weights
         out = mat_a.new_empty((mat_a.shape[0], mat_b.shape[-1]))
         start = 0
-        for end, w in zip(ends, pick):
+        for end, w in zip(ends, index if index is not None else range(len(ends))):
             torch.mm(mat_a[start:end], mat_b[w], out=out[start:end])
             start = end
         return out
     # per-group sums over rows (weight gradients)
-    n = n_out if index is not None else len(ends)
-    out = mat_a.new_zeros((n, mat_a.shape[0], mat_b.shape[-1])) if index is not None else \
-        mat_a.new_empty((n, mat_a.shape[0], mat_b.shape[-1]))
-    starts = [0, *ends[:-1]]
+    starts, shape = [0, *ends[:-1]], (mat_a.shape[0], mat_b.shape[-1])
     if index is None:
+        out = mat_a.new_empty((len(ends), *shape))
         for g, (start, end) in enumerate(zip(starts, ends)):
             torch.mm(mat_a[:, start:end], mat_b[start:end], out=out[g])
         return out
     # Each group's product rounded to the dtype, then added, last group first: as eager's
     # autograd sums the gradient of a weight that several groups read (it reaches the
     # weight from the last group first). addmm_ would round once: 1 bf16 ulp off eager.
+    out = mat_a.new_zeros((n_out, *shape))
     for g in reversed(range(len(ends))):
         out[index[g]] += torch.mm(mat_a[:, starts[g]:ends[g]], mat_b[starts[g]:ends[g]])
     return out
