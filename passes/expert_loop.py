@@ -22,6 +22,9 @@ one 1-D tensor (``.tolist()``), a ``cat`` of as many results along the rows, and
 them G copies of one graph (same ops, same constant arguments) made of: matmuls of rows by a
 per-group 2-D tensor computed without the rows (``@``, ``mm``, ``matmul``, ``F.linear``
 without bias), and pointwise ops of rows with scalars or 1-D tensors shared by every group.
+Under autocast (a region in the graph, or entered by the caller) the matmuls' dtypes are the
+autocast dtype's; the op's autocast rule casts as ``mm`` did, so the loop must sit in one
+region with its ``cat`` (the grouped matmuls are placed before the ``cat``).
 Anything else leaves the loop alone, reported with the reason.
 """
 from __future__ import annotations
@@ -144,6 +147,7 @@ def _rewrite(gm: GraphModule, split: Node, cat: Node, deps: DepGraph) -> list[st
         else:
             raise NotALoop(f"{split.name} is read by {u.name}, not only by picking its pieces")
     under = nx.descendants(deps.g, split)
+    regions = _autocast_regions(gm.graph)
 
     template: dict[tuple, tuple[str, object]] = {}  # tuple of per-group nodes -> (kind, how)
     order: list[tuple] = []
@@ -200,9 +204,9 @@ def _rewrite(gm: GraphModule, split: Node, cat: Node, deps: DepGraph) -> list[st
             if len(first.args) != 2 or first.kwargs or args != ["rows", "stacked"]:
                 raise NotALoop(f"{first.name}: a matmul that is not the group's rows by a per-group weight")
             dts = {getattr(_val(x), "dtype", None) for x in (first, *first.args)}
-            if len(dts) != 1 or None in dts:
+            if None in dts or len(dts) != 1 and regions.get(first) is None and not _ambient_autocast():
                 raise NotALoop(f"{first.name}: the matmul's result and operands have dtypes {sorted(map(str, dts))} "
-                               "(autocast casts them; overlapc::grouped_mm has no autocast rule)")
+                               "outside an autocast region")
             template[nodes] = ("rows", "linear" if linear else "matmul")
             matmuls.append(first.name)
         elif _is(first, _POINTWISE_F, _POINTWISE_M):
@@ -222,6 +226,9 @@ def _rewrite(gm: GraphModule, split: Node, cat: Node, deps: DepGraph) -> list[st
     if not matmuls:
         raise NotALoop("no matmul by a per-group weight between the split and the cat")
     per_group = {x for key, (kind, _) in template.items() if kind == "rows" for x in key if isinstance(x, Node)}
+    if len({regions.get(x) for x in per_group | {cat}}) != 1:
+        raise NotALoop(f"the loop and {cat.name} are not in one autocast region (the grouped matmuls would run "
+                       "under another autocast state than the loop's)")
     for x in per_group | set(pieces):
         for u in x.users:
             if u not in per_group and u is not cat:
@@ -270,6 +277,28 @@ def _rewrite(gm: GraphModule, split: Node, cat: Node, deps: DepGraph) -> list[st
         graph.erase_node(x)
     graph.erase_node(split)
     return matmuls
+
+
+def _autocast_regions(graph) -> dict[Node, Node]:
+    """Node -> the ``_enter_autocast`` of the innermost autocast region it is in (Dynamo
+    records ``with torch.autocast(...)`` as a pair of calls around the region's nodes)."""
+    regions, stack = {}, []
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is torch.amp.autocast_mode._exit_autocast:
+            if n.args and n.args[0] in stack:
+                stack = stack[:stack.index(n.args[0])]
+            continue
+        if stack:
+            regions[n] = stack[-1]
+        if n.op == "call_function" and n.target is torch.amp.autocast_mode._enter_autocast:
+            stack.append(n)
+    return regions
+
+
+def _ambient_autocast() -> bool:
+    """Autocast entered outside the compiled function: Dynamo's graph records no region, and
+    AOTAutograd traces (and the graph runs) under the caller's state, which guards check."""
+    return any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
 
 
 def _bank(nodes: tuple) -> tuple[Node, list[int]] | None:

@@ -135,8 +135,12 @@ def is_layout(node: Node) -> bool:
     if node.op != "call_function" or node.target not in LAYOUT_OPS:
         return False
     if node.target is aten._to_copy.default:
-        # Only a dtype change is transparent; a device or layout change is not.
-        return set(node.kwargs) <= {"dtype", "memory_format"}
+        # Only a dtype change is transparent; a device or layout change is not (autograd's
+        # backward of a cast names the device and layout it keeps).
+        kw, src = node.kwargs, val(node.args[0])
+        return set(kw) <= {"dtype", "memory_format", "layout", "device", "pin_memory", "non_blocking"} \
+            and kw.get("layout") in (None, torch.strided) and not kw.get("pin_memory") \
+            and (kw.get("device") is None or src is not None and torch.device(kw["device"]) == src.device)
     return True
 
 

@@ -78,7 +78,7 @@ def moe_job(config: dict, routings: list) -> dict:
     from overlapc.runtime.dropless import DroplessPipeline
     calls_before = DroplessPipeline.calls
     tokens = config.get("tokens", 32) + rank * config.get("tokens_step", 0)
-    tol = TOL[config["dtype"]]
+    tol = TOL[config.get("autocast", config["dtype"])]
     worst, loads = 0.0, []
     for kind, seed in routings:
         bias = _routing_bias(kind, ref.cfg.n_experts, seed)
@@ -91,7 +91,9 @@ def moe_job(config: dict, routings: list) -> dict:
         for m, fn in ((ref, ref), (model, compiled)):
             x = x0.clone().requires_grad_(True)
             # The dropless form's split sizes come from .tolist(): keep them in the graph.
-            with torch._dynamo.config.patch(capture_scalar_outputs=dropless):
+            with torch._dynamo.config.patch(capture_scalar_outputs=dropless), \
+                    torch.autocast("cpu", dtype=DTYPES.get(config.get("autocast"), torch.bfloat16),
+                                   enabled="autocast" in config):
                 y = fn(x)
             w = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
             (y * w).sum().backward()
@@ -169,6 +171,8 @@ DROPLESS_CASES = [
     # run in another order than eager's autograd (fp32 tolerance).
     dict(form="loop", dropless=True, top_k=2, dtype="fp32", chunks=4),
     dict(form="loop", dropless=True, top_k=1, dtype="bf16", chunks=3, tokens=8, tokens_step=4),
+    # fp32 weights under bf16 autocast: the op's autocast rule casts as the loop's mm did
+    dict(form="loop", dropless=True, top_k=2, dtype="fp32", autocast="bf16", chunks=2),
 ]
 
 
@@ -326,7 +330,7 @@ def ulysses_job(config: dict) -> dict:
         (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(dtype)).sum().backward()
         outs.append(y.detach())
         grads.append({"input": xi.grad, **{n: p.grad for n, p in m.named_parameters()}})
-    tol = TOL[config["dtype"]]
+    tol = TOL[config.get("autocast", config["dtype"])]
     where = f"rank {rank} {config}"
     torch.testing.assert_close(outs[1], outs[0], **tol, msg=lambda s: f"{where} forward: {s}")
     for name, g in grads[0].items():

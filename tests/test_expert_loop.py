@@ -45,6 +45,27 @@ def test_grouped_mm_is_the_loop_forward_and_backward(index):
         assert torch.equal(w1.grad[1], torch.zeros_like(w1.grad[1]))  # the empty group's weight
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_grouped_mm_under_autocast_casts_as_the_loops_mm(dtype):
+    """fp32 rows and expert bank under autocast: the rows cast once, each W[e_g] as it is
+    used, the bank's gradient added in fp32 per group (as autograd adds the casts' gradients):
+    bit for bit the loop's result and gradients."""
+    x, w, counts = _operands(torch.float32)
+    index = [1, 0, 1, 0]
+    offs = torch.cumsum(counts, 0)
+    got = []
+    for loop in (False, True):
+        xg, wg = x.clone().requires_grad_(), w[:2].clone().requires_grad_()
+        with torch.autocast("cpu", dtype=dtype):
+            y = torch.cat([r @ wg[index[g]] for g, r in enumerate(xg.split(SIZES))]) if loop else \
+                grouped_mm(xg, wg, offs, index)
+        y.float().mul(torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
+        got.append((y, xg.grad, wg.grad))
+    for a, b in zip(*got):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert got[0][0].dtype == dtype
+
+
 def test_grouped_mm_weight_gradient_form_and_bad_offsets():
     x, w, counts = _operands()
     b = torch.randn(x.shape[0], 6, dtype=x.dtype)
@@ -92,6 +113,14 @@ def _autocast_loop(x, counts, w1, w3, w2):
         return _swiglu_loop(x, counts, w1, w3, w2)
 
 
+def _autocast_cat_outside(x, counts, w1, w3, w2):
+    """The groups computed under autocast, joined after it: the grouped matmuls would have to
+    run before the cat, outside the region."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = [rows @ w1[g] for g, rows in enumerate(x.split(counts.tolist()))]
+    return torch.cat(outs)
+
+
 def _static_loop(x, counts, w1, w3, w2):
     return torch.cat([rows @ w1[g] for g, rows in enumerate(x.split(SIZES))])
 
@@ -112,7 +141,7 @@ def _leaky_loop(x, counts, w1, w3, w2):
     return torch.cat(outs) + hs[0].sum()
 
 
-def _compile_and_compare(fn, dtype=torch.float32):
+def _compile_and_compare(fn, dtype=torch.float32, tol=1e-5):
     import overlapc
     from overlapc import Backend, Options
 
@@ -132,9 +161,11 @@ def _compile_and_compare(fn, dtype=torch.float32):
         results.append((y.detach(), [a.grad for a in args]))
     (y0, g0), (y1, g1) = results
     assert y1.dtype == y0.dtype
-    torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y1, y0, rtol=tol, atol=tol)
     for a, b in zip(g1, g0):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert (a is None) == (b is None) and (a is None or a.dtype == b.dtype)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
     assert overlapc is not None
     return be
 
@@ -165,9 +196,21 @@ def test_chained_loops_are_both_regrouped():
     assert _count(be, "forward", torch.ops.overlapc.grouped_mm.default) == 2
 
 
+def test_a_loop_under_autocast_is_regrouped_with_mms_casts():
+    """overlapc::grouped_mm's autocast rule casts as the loop's mm did (the rows to bf16, each
+    W[e_g] as it is used; weight gradients added in fp32): bit for bit eager's result and
+    gradients, in bf16 and fp32."""
+    be = _compile_and_compare(_autocast_loop, tol=0)
+    [site] = be.report.by(pattern="expert_loop")
+    assert site.status == "rewritten", site
+    gmm = torch.ops.overlapc.grouped_mm.default
+    assert _count(be, "forward", gmm) == 3 and _count(be, "forward", torch.ops.aten.mm.default) == 0
+    assert _count(be, "backward", gmm) == 6
+
+
 @pytest.mark.parametrize("fn, why", [
     (_static_loop, "a loop over sizes known at compile time is not grouped"),
-    (_autocast_loop, "autocast casts them"),
+    (_autocast_cat_outside, "not in one autocast region"),
     (_mixed_loop, "the groups' graphs differ at"),
     (_leaky_loop, "is also read by"),
 ])

@@ -15,7 +15,13 @@ each local expert once per source rank)::
     grouped_mm(a (R, K), b (E, K, N), offs, index) -> (R, N)          rows of group g by b[index[g]]
     grouped_mm(a (K, R), b (R, N), offs, index, E) -> (E, K, N)       group sums added per index
 
-``offs`` holds the groups' cumulative row counts (int32 or int64; the last is R). Each group
+``offs`` holds the groups' cumulative row counts (int32 or int64; the last is R).
+
+Under autocast (an expert loop inside ``torch.autocast``) the op follows ``mm``'s rule: its
+autocast kernel casts ``mat_a`` to the autocast dtype, and the op casts each group's weight
+``mat_b[g]`` to ``mat_a``'s dtype as it uses it, as the loop's ``mm`` did per group; the
+weight-gradient form then adds each group's product in ``out_dtype`` (the weights' own dtype),
+as eager's autograd adds the per-group gradients after their cast back. Each group
 runs as the ``mm`` the user's loop ran, on the same rows, so the forward is bit-for-bit the
 loop's; the backward is this op again (``_grouped_mm``'s own kernels take only bf16 on the
 CPU and need 16-byte aligned operands on CUDA; this op has neither restriction, and no
@@ -35,10 +41,13 @@ def _ends(offs: torch.Tensor) -> list[int]:
 # Optional[List[int]]: typing's spelling, which every torch's schema inference reads (2.11 too).
 @torch.library.custom_op("overlapc::grouped_mm", mutates_args=())
 def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor,
-               index: Optional[List[int]] = None, n_out: int = -1) -> torch.Tensor:  # noqa: UP006, UP045
+               index: Optional[List[int]] = None, n_out: int = -1,  # noqa: UP006, UP045
+               out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:  # noqa: UP045
     """See the module docstring. ``index``: group g uses weight ``mat_b[index[g]]`` (an expert
     bank indexed per group: no stacked copy of the weights), and in the weight-gradient
-    form adds its sum into ``out[index[g]]`` of ``n_out`` weights."""
+    form adds its sum into ``out[index[g]]`` of ``n_out`` weights. Products are computed in
+    ``mat_a``'s dtype (a weight of another dtype is cast per group); the weight-gradient form
+    returns ``out_dtype`` (default: ``mat_a``'s)."""
     _check(mat_a, mat_b, offs, index, n_out)
     ends = _ends(offs)
     rows = mat_a.shape[0] if mat_b.dim() == 3 else mat_a.shape[1]
@@ -48,32 +57,33 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor,
         out = mat_a.new_empty((mat_a.shape[0], mat_b.shape[-1]))
         start = 0
         for end, w in zip(ends, index if index is not None else range(len(ends))):
-            torch.mm(mat_a[start:end], mat_b[w], out=out[start:end])
+            torch.mm(mat_a[start:end], mat_b[w].to(mat_a.dtype), out=out[start:end])
             start = end
         return out
     # per-group sums over rows (weight gradients)
     starts, shape = [0, *ends[:-1]], (mat_a.shape[0], mat_b.shape[-1])
+    dtype = out_dtype or mat_a.dtype
     if index is None:
-        out = mat_a.new_empty((len(ends), *shape))
+        out = mat_a.new_empty((len(ends), *shape), dtype=dtype)
         for g, (start, end) in enumerate(zip(starts, ends)):
-            torch.mm(mat_a[:, start:end], mat_b[start:end], out=out[g])
+            out[g] = torch.mm(mat_a[:, start:end], mat_b[start:end])
         return out
     # Each group's product rounded to the dtype, then added, last group first: as eager's
     # autograd sums the gradient of a weight that several groups read (it reaches the
     # weight from the last group first). addmm_ would round once: 1 bf16 ulp off eager.
-    out = mat_a.new_zeros((n_out, *shape))
+    out = mat_a.new_zeros((n_out, *shape), dtype=dtype)
     for g in reversed(range(len(ends))):
-        out[index[g]] += torch.mm(mat_a[:, starts[g]:ends[g]], mat_b[starts[g]:ends[g]])
+        out[index[g]] += torch.mm(mat_a[:, starts[g]:ends[g]], mat_b[starts[g]:ends[g]]).to(dtype)
     return out
 
 
 @grouped_mm.register_fake
-def _(mat_a, mat_b, offs, index=None, n_out=-1):
+def _(mat_a, mat_b, offs, index=None, n_out=-1, out_dtype=None):
     _check(mat_a, mat_b, offs, index, n_out)
     if mat_b.dim() == 3:
         return mat_a.new_empty((mat_a.shape[0], mat_b.shape[-1]))
     n = n_out if index is not None else offs.shape[0]
-    return mat_a.new_empty((n, mat_a.shape[0], mat_b.shape[-1]))
+    return mat_a.new_empty((n, mat_a.shape[0], mat_b.shape[-1]), dtype=out_dtype or mat_a.dtype)
 
 
 def _check(a, b, offs, index, n_out):
@@ -96,7 +106,7 @@ def _check(a, b, offs, index, n_out):
 
 
 def _setup(ctx, inputs, output):
-    a, b, offs, index, _ = inputs
+    a, b, offs, index, *_ = inputs
     ctx.index = index
     ctx.save_for_backward(a, b, offs)
 
@@ -110,10 +120,40 @@ def _backward(ctx, grad):
     if ctx.needs_input_grad[0]:
         grad_a = grouped_mm(grad, b.transpose(-2, -1), offs, ctx.index)
     if ctx.needs_input_grad[1]:
-        grad_b = grouped_mm(a.t(), grad, offs, ctx.index, b.shape[0])
-    return grad_a, grad_b, None, None, None
+        if ctx.index is not None:
+            grad_b = grouped_mm(a.t(), grad, offs, ctx.index, b.shape[0], b.dtype)
+        else:
+            grad_b = grouped_mm(a.t(), grad, offs, None, -1, b.dtype)
+    return grad_a, grad_b, None, None, None, None
 
 
 grouped_mm.register_autograd(_backward, setup_context=_setup)
-
 GROUPED_MM = torch.ops.overlapc.grouped_mm.default
+
+
+def _autocast_kernel(device_type: str):
+    """``mm``'s autocast rule for the op: inside an autocast region of ``device_type`` the rows
+    (and, in the weight-gradient form, both operands) are cast to the autocast dtype if they
+    are floating point but not float64; the 3-D weights are cast per group by the op itself,
+    as the loop's ``mm`` cast each ``W[e_g]``. Runs the op with autocast off below it."""
+    key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
+
+    def cast(t):
+        dtype = torch.get_autocast_dtype(device_type)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in (torch.float64, dtype) \
+                and t.device.type == device_type:
+            return t.to(dtype)
+        return t
+
+    def kernel(_keyset, mat_a, mat_b, offs, index=None, n_out=-1, out_dtype=None):
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+            if mat_b.dim() == 2:
+                mat_b = cast(mat_b)
+            return GROUPED_MM(cast(mat_a), mat_b, offs, index, n_out, out_dtype)
+    return kernel
+
+
+_LIB = torch.library.Library("overlapc", "FRAGMENT")  # noqa: TOR901 -- the op's autocast kernels
+for _device in ("cpu", "cuda"):
+    _LIB.impl("grouped_mm", _autocast_kernel(_device),
+              "Autocast" + torch._C._dispatch_key_for_device(_device), with_keyset=True)
