@@ -71,8 +71,11 @@ class UlyssesAttention(nn.Module):
         b, s, d = x.shape
         h = self.cfg.n_heads
         q, k, v = (self._seq_to_heads(F.linear(x, w).view(b, s, h, d // h)) for w in (self.wq, self.wk, self.wv))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=self.cfg.causal)
-        return F.linear(self._heads_to_seq(o), self.wo)
+        return F.linear(self._heads_to_seq(self.attend(q, k, v)), self.wo)
+
+    def attend(self, q, k, v):
+        """Attention over the whole sequence for this rank's heads, (B, H/P, S, hd) each."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.cfg.causal)
 
 
 def build_ulysses(mesh, *, batch: int = 2, seq: int = 32, **cfg_kw):

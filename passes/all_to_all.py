@@ -197,10 +197,10 @@ def auto_chunks(extent: int) -> int:
 def _attention_flops(node: Node) -> int | None:
     """Flops of a fused attention op (q, k: (B, H, S, D)): 4*B*H*Sq*Sk*D forward (two
     GEMMs), 2.5 times that backward (five, with the recomputed scores); causal halves it."""
-    name = getattr(node.target, "__name__", "")
-    if "scaled_dot_product" not in name:
+    spec = ax.BATCHED.get(node.target)
+    if spec is None:
         return None
-    bwd = "backward" in name
+    bwd = "backward" in node.target.__name__
     q, k = (ops.val(a) if isinstance(a, Node) else None for a in node.args[int(bwd):int(bwd) + 2])
     if q is None or k is None or q.dim() != 4:
         return None
@@ -209,11 +209,7 @@ def _attention_flops(node: Node) -> int | None:
     if None in (b, h, sq, d, sk):
         return None
     flops = 4 * b * h * sq * sk * d * (5 if bwd else 2) // 2
-    causal_at = 7 if bwd else 4  # the CPU flash op's is_causal
-    causal = node.kwargs.get("is_causal")
-    if causal is None and "for_cpu" in name and len(node.args) > causal_at:
-        causal = node.args[causal_at]
-    if causal is True:
+    if ax.attention_arg(node, spec.causal) is True:
         flops //= 2
     return flops
 

@@ -271,29 +271,78 @@ def _same_place_copy(node: Node) -> bool:
     return set(kw) <= {"dtype", "memory_format"}
 
 
-def _batched(*names):
-    return {getattr(ops.aten, n).default: None for n in names if hasattr(ops.aten, n)}
+@dataclass(frozen=True)
+class Attention:
+    """A fused attention op, forward or backward: every tensor of ``batched`` (arg positions)
+    and ``outputs`` (result indices) is (batch, heads, ...), so dims 0 and 1 are independent
+    and chunks along either go through. Its other results (CUDA kernels' RNG state, sequence
+    lengths, an empty debug mask) are the same for every chunk while dropout is 0: readers
+    outside take the first chunk's. ``none``: args that must be None (attention
+    bias, cumulative sequence lengths); ``off``: flag args that must be False."""
+    batched: frozenset
+    outputs: frozenset
+    dropout: int
+    causal: int
+    none: tuple = ()
+    off: tuple = ()
 
 
-# Ops whose every tensor input and output is (batch, heads, ...): dims 0 and 1 are
-# independent, so chunks along either go through. (CPU flash attention; on GPU the other
-# SDPA kernels also return RNG state and sizes, not handled yet: they end a region.)
-BATCHED = _batched("_scaled_dot_product_flash_attention_for_cpu",
-                   "_scaled_dot_product_flash_attention_for_cpu_backward")
+def _attention_ops() -> dict:
+    specs = {
+        # CPU flash attention: (out, logsumexp); backward -> (dq, dk, dv)
+        "_scaled_dot_product_flash_attention_for_cpu": ((0, 1, 2), (0, 1), 3, 4, ("attn_mask",), ()),
+        "_scaled_dot_product_flash_attention_for_cpu_backward": ((0, 1, 2, 3, 4, 5), (0, 1, 2), 6, 7, ("attn_mask",), ()),
+        # CUDA flash: (out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng state, unused, debug mask)
+        "_scaled_dot_product_flash_attention": ((0, 1, 2), (0, 1), 3, 4, (), (5,)),
+        "_scaled_dot_product_flash_attention_backward": ((0, 1, 2, 3, 4, 5), (0, 1, 2), 10, 11, (6, 7), ()),
+        # memory-efficient: (out, logsumexp padded to 32 rows, seed, offset); backward also a bias grad
+        "_scaled_dot_product_efficient_attention": ((0, 1, 2), (0, 1), 5, 6, (3,), ()),
+        "_scaled_dot_product_efficient_attention_backward": ((0, 1, 2, 3, 5, 6), (0, 1, 2), 9, 11, (4,), ()),
+        # cuDNN: as flash, logsumexp (B, H, S, 1)
+        "_scaled_dot_product_cudnn_attention": ((0, 1, 2), (0, 1), 5, 6, (3,), (7,)),
+        "_scaled_dot_product_cudnn_attention_backward": ((0, 1, 2, 3, 4, 5), (0, 1, 2), 13, 14, (8, 9, 10), ()),
+    }
+    return {getattr(ops.aten, name).default: Attention(frozenset(b), frozenset(o), d, c, none, off)
+            for name, (b, o, d, c, none, off) in specs.items() if hasattr(ops.aten, name)}
+
+
+# Fused attention ops (forward and backward), on CPU and the CUDA kernels SDPA picks from.
+BATCHED = _attention_ops()
 TUPLES = {*BATCHED, ops.aten.split.Tensor}
 """Ops that return tuples: only their getitems have shapes (and can be narrowed)."""
 
 
+def attention_arg(node: Node, i: int | str, default=None):
+    """An attention op's argument by position (or keyword name), its default if absent."""
+    if isinstance(i, str):
+        return node.kwargs.get(i, default)
+    if len(node.args) > i:
+        return node.args[i]
+    name = node.target._schema.arguments[i].name
+    return node.kwargs.get(name, default)
+
+
+def _batched_args(node: Node):
+    spec = BATCHED[node.target]
+    return [(k, a) for k, a in _tensor_args(node) if k in spec.batched]
+
+
 def _batched_step(node: Node, axes: dict[Node, Axis]) -> Step | None:
-    reached = [axes[a] for _, a in _tensor_args(node) if a in axes]
+    spec = BATCHED[node.target]
+    batched = _batched_args(node)
+    reached = [axes[a] for _, a in batched if a in axes]
     if not reached or any(r != reached[0] for r in reached) or reached[0].dim not in (0, 1):
         return None
-    a = reached[0]
-    if ops.arg(node, "attn_mask") is not None or (ops.arg(node, "dropout_p") or 0.0) != 0.0:
+    if any(a in axes for k, a in _tensor_args(node) if k not in spec.batched):
         return None
+    a = reached[0]
+    if (attention_arg(node, spec.dropout) or 0.0) != 0.0 or any(attention_arg(node, i) for i in spec.off):
+        return None
+    if any(attention_arg(node, i) is not None for i in spec.none):
+        return None  # an attention bias or mask, or nested-tensor sequence offsets
     operands = {}
     size = None
-    for k, n in _tensor_args(node):
+    for k, n in batched:
         shape = static_shape(n)
         if shape is None or len(shape) < 2 or not a.fits(shape):
             return None
@@ -302,6 +351,12 @@ def _batched_step(node: Node, axes: dict[Node, Axis]) -> Step | None:
             return None
         operands[k] = PIECE if n in axes else a
     return Step(node, a, operands)
+
+
+def invariant_output(node: Node) -> bool:
+    """A getitem of an attention op's result that is the same for every chunk (see :class:`Attention`)."""
+    return node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], Node) \
+        and node.args[0].target in BATCHED and node.args[1] not in BATCHED[node.args[0].target].outputs
 
 
 def _concat_step(node: Node, axes: dict[Node, Axis]) -> Step | None:
@@ -401,6 +456,9 @@ class Region:
     """Region nodes that something outside the region reads whole."""
     deferred: list[Node] = field(default_factory=list)
     """Sums over the axis left out to run whole after the chunks (:func:`_deferrable`)."""
+    invariant: list[Node] = field(default_factory=list)
+    """Getitems outside the region of its attention ops' chunk-invariant results (RNG state,
+    sequence lengths): they read the first chunk's op instead."""
 
     def levels(self) -> dict[Node, int]:
         """:func:`levels` of the region's steps and deferred sums (while the graph still holds them)."""
@@ -515,7 +573,7 @@ def _inputs_for(x: Node, a: Axis, may_chain, kinds=(ops.ALL_TO_ALL,)) -> list[tu
     if t in BATCHED:
         if a.dim not in (0, 1):
             return None
-        return [(n, a) for _, n in _tensor_args(x)]
+        return [(n, a) for _, n in _batched_args(x)]
     if t in (ops.aten.stack.default, ops.aten.cat.default):
         d = x.args[1] if len(x.args) > 1 else x.kwargs.get("dim", 0)
         d = _norm(d, len(static_shape(x) or [0]))
@@ -595,9 +653,10 @@ def grow(start: Node, axis: Axis, may_chain=lambda coll: True, kinds=(ops.ALL_TO
     order = {n: i for i, n in enumerate(start.graph.nodes)}
     steps = sorted(g.steps.values(), key=lambda st: order[st.node])
     inside = set(g.steps)
-    whole = [n for n in g.axes if n not in g.seeds and any(u not in inside for u in n.users)]
+    invariant = [u for n in g.axes if n.target in BATCHED for u in n.users if u not in inside and invariant_output(u)]
+    whole = [n for n in g.axes if n not in g.seeds and any(u not in inside and u not in invariant for u in n.users)]
     return Region(axis, steps, g.axes, sorted(g.seeds, key=order.get), sorted(whole, key=order.get),
-                  sorted(g.defer, key=order.get))
+                  sorted(g.defer, key=order.get), sorted(invariant, key=order.get))
 
 
 def levels(nodes) -> dict[Node, int]:
@@ -752,6 +811,8 @@ def substitute(b: Builder, region: Region, sizes: list[int], marks: list | None 
         raise
     for node in region.whole:
         node.replace_all_uses_with(assemble(b, [p[node] for p in pieces], sizes, region.axes[node], static_shape(node)))
+    for item in region.invariant:
+        item.replace_input_with(item.args[0], pieces[0][item.args[0]])
     for st in region.steps:
         if st.axis is None:
             st.node.replace_all_uses_with(add_partials(b, [p[st.node] for p in pieces]))

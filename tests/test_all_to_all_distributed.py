@@ -321,6 +321,15 @@ def ulysses_job(config: dict) -> dict:
     ref, (x,) = ulysses.build_ulysses(mesh, batch=2, seq=8 * world, **kw)
     model, _ = ulysses.build_ulysses(mesh, batch=2, seq=8 * world, **kw)
     ref, model, x = ref.to(dtype), model.to(dtype), x.detach().to(dtype)
+    if "attention" in config:  # a CUDA fused kernel's op, as SDPA traces on a GPU (CPU stand-in)
+        import sdpa_doubles
+
+        sdpa_doubles.register()
+
+        class Fused(ulysses.UlyssesAttention):
+            def attend(self, q, k, v):
+                return sdpa_doubles.call(config["attention"], q, k, v, self.cfg.causal)
+        ref.__class__ = model.__class__ = Fused
     be = overlapc.backend(inner=config.get("inner", "eager"), strategy="decompose", chunks=config["chunks"])
     torch._dynamo.config.cache_size_limit = 256
     outs, grads = [], []
@@ -349,10 +358,16 @@ def test_ulysses_matches_eager(world_name, request):
     backward; all 8 all-to-alls rewritten either way."""
     world = request.getfixturevalue(world_name)
     n = world.world_size
-    for heads, dtype, chunks in ((4, "fp32", 2), (8, "bf16", 2), (16, "fp32", 4)):
+    cases = [dict(heads=4, dtype="fp32", chunks=2), dict(heads=8, dtype="bf16", chunks=2),
+             dict(heads=16, dtype="fp32", chunks=4)]
+    # CUDA's fused attention ops (CPU stand-ins, tests/sdpa_doubles.py): the region holds them too
+    cases += [dict(heads=8, dtype="fp32", chunks=2, attention="flash"),
+              dict(heads=8, dtype="bf16", chunks=2, attention="efficient"),
+              dict(heads=8, dtype="fp32", chunks=2, attention="cudnn", causal=False)]
+    for config in cases:
+        heads, chunks = config["heads"], config["chunks"]
         if heads // n < 2:
             continue
-        config = dict(heads=heads, dtype=dtype, chunks=chunks)
         axes = {heads // n, 2}
         for r in world.run(ulysses_job, config):
             assert [g for g, *_ in r] == ["backward", "forward"], (config, r)

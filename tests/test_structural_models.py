@@ -5,6 +5,8 @@ Each expected count is derived in a comment from the model's parallel plan.
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 import overlapc
 from overlapc.explain import capture
@@ -164,6 +166,58 @@ def test_ulysses_one_region_per_graph(fake_mesh8):
         assert first.status == "rewritten" and len(first.details["chained"]) == 3, str(report)
         assert first.details["axis"]["extent"] == 4
         assert all(s.status == "rewritten" and s.details["chained_from"] == first.name for s in rest)
+
+
+@pytest.mark.parametrize("kind", ["flash", "efficient", "cudnn"])
+def test_sdpa_stand_ins_are_attention(kind):
+    """The CPU stand-ins of the CUDA kernels (tests/sdpa_doubles.py) compute SDPA: output
+    and gradients (through the ops' own backward ops) as F.scaled_dot_product_attention's."""
+    import sdpa_doubles
+
+    sdpa_doubles.register()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 40, 8, generator=g) for _ in range(3))
+    grad = torch.randn(2, 3, 40, 8, generator=g)
+    got = []
+    for fused in (False, True):
+        qkv = [t.clone().requires_grad_() for t in (q, k, v)]
+        y = sdpa_doubles.call(kind, *qkv, True) if fused else F.scaled_dot_product_attention(*qkv, is_causal=True)
+        y.backward(grad)
+        got.append([y, *(t.grad for t in qkv)])
+    for a, b in zip(*got):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["flash", "efficient", "cudnn"])
+def test_ulysses_region_goes_through_cuda_fused_attention(fake_mesh8, kind):
+    """On a GPU, SDPA traces to CUDA's fused kernels, which also return RNG state and
+    sequence lengths (and, for efficient attention, a logsumexp padded to 32 rows): the
+    region still runs from the q/k/v projections through attention to the output projection,
+    forward and backward, each chunk of heads calling the kernel once; the chunk-invariant
+    results (saved for the backward) come from the first chunk's call. The kernels run
+    here as CPU stand-ins (tests/sdpa_doubles.py); graphs only, no values checked."""
+    import sdpa_doubles
+
+    from overlapc.models import ulysses
+    from overlapc.passes import ops
+
+    sdpa_doubles.register()
+
+    class Fused(ulysses.UlyssesAttention):
+        def attend(self, q, k, v):
+            return sdpa_doubles.call(kind, q, k, v, self.cfg.causal)
+
+    model, inputs = ulysses.build_ulysses(fake_mesh8, batch=2, seq=64, dim=256, n_heads=32)
+    model.__class__ = Fused
+    report, graphs = capture(model, *inputs, options={"strategy": "decompose", "chunks": 4})
+    for graph in ("forward", "backward"):
+        first, *rest = [s for s in report.sites if s.graph == graph]
+        assert first.status == "rewritten" and len(first.details["chained"]) == 3, str(report)
+        assert first.details["axis"]["extent"] == 4
+    op = getattr(ops.aten, sdpa_doubles.OPS[kind])
+    for graph, target in (("forward", op.default), ("backward", getattr(ops.aten, op.__name__ + "_backward").default)):
+        (gm,) = [g for k, g in graphs if k == graph]
+        assert sum(n.target is target for n in gm.graph.nodes) == 4, (graph, gm.graph)
 
 
 @pytest.mark.parametrize("on", [True, False])
