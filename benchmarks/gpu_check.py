@@ -572,6 +572,63 @@ def grouped_check(dev, smoke: bool, reps: int) -> dict:
     return out
 
 
+def ulysses_check(dev, smoke: bool) -> dict:
+    """The Ulysses block compiled by overlapc on this device, against eager: whichever fused
+    attention kernel SDPA picks here (CUDA: flash, efficient or cuDNN) must stay inside the
+    head-chunked region, called once per chunk in forward and backward (passes/axis.BATCHED),
+    and the outputs and gradients must match eager's. A one-rank group (nccl on a GPU): the
+    all-to-alls move nothing, the graphs are those of any world size."""
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from overlapc import Backend, Options
+    from overlapc.models import ulysses
+    from overlapc.passes.axis import BATCHED
+
+    chunks = 4
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    store = tempfile.NamedTemporaryFile(delete=False).name
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"file://{store}", rank=0,
+                            world_size=1)
+    try:
+        mesh = init_device_mesh(dev.type, (1,))
+        kw = dict(batch=2, seq=64, dim=128, n_heads=8) if smoke else dict(batch=2, seq=4096, dim=2048, n_heads=16)
+        ref, (x,) = ulysses.build_ulysses(mesh, **kw)
+        model, _ = ulysses.build_ulysses(mesh, **kw)
+        ref, model, x = ref.to(dev, dtype), model.to(dev, dtype), x.detach().to(dev, dtype)
+        be = Backend(Options(strategy="decompose", inner="eager", chunks=chunks), keep_graphs=True)
+        dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(dev, dtype)
+        res = []
+        for m, f in ((ref, ref), (model, torch.compile(model, backend=be))):
+            xi = x.clone().requires_grad_()
+            y = f(xi)
+            y.backward(dy)
+            res.append([y.detach(), xi.grad, *(p.grad for p in m.parameters())])
+        errs = [(a.float() - b.float()).abs().max().item() for a, b in zip(*res)]
+        scale = max(b.float().abs().max().item() for b in res[0])
+        calls = {kind: {str(n.target): sum(m.target is n.target for m in gm.graph.nodes)
+                        for n in gm.graph.nodes if n.target in BATCHED} for kind, gm in be.graphs}
+        sites = sorted({(s.graph, s.pattern, s.status, s.chunks, s.reason) for s in be.report.sites
+                        if s.pattern != "collective"})
+        out = {"dtype": str(dtype), **kw, "chunks": chunks, "attention_calls": calls, "sites": sites,
+               "max_err": max(errs), "ref_scale": scale}
+        problems = []
+        if any(st != "rewritten" for _, _, st, _, _ in sites) or len(sites) != 4:
+            problems.append(f"not every all-to-all site rewritten: {sites}")
+        for kind in ("forward", "backward"):
+            got = {k for g, _, _, k, _ in sites if g == kind}  # chunks of heads, or of the batch (2)
+            if len(got) != 1 or list(calls.get(kind, {}).values()) != list(got):
+                problems.append(f"{kind}: attention calls {calls.get(kind)} (want one op, once per chunk: {got})")
+        if max(errs) > 0.02 * max(1.0, scale):
+            problems.append(f"max err {max(errs):.3g} against eager (scale {scale:.3g})")
+        out["problems"] = problems
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes (runs under the interpreter on a CPU)")
@@ -579,7 +636,7 @@ def main(argv=None):
     p.add_argument("--out", default="gpu_check.json")
     p.add_argument("--budget", type=float, default=240.0,
                    help="seconds after which no further kernel check starts (the workspace check still runs)")
-    p.add_argument("--stage", default="all", choices=["all", "rs", "ag", "pipe", "workspace", "ops", "grouped"],
+    p.add_argument("--stage", default="all", choices=["all", "rs", "ag", "pipe", "workspace", "ops", "grouped", "ulysses"],
                    help="run one part only (a GPU hang ends its process: run the parts as separate processes)")
     p.add_argument("--ops", type=int, default=2, metavar="WORLD",
                    help="ranks (processes, one GPU each) of the fused-op check (0: skip it)")
@@ -608,7 +665,7 @@ def main(argv=None):
     env = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)",
                torch=torch.__version__, triton=triton.__version__, python=platform.python_version())
     print(f"gpu_check: {env}", flush=True)
-    out = dict(env=env, rows=[], errors=[], workspace=None, ops=None, grouped=None)
+    out = dict(env=env, rows=[], errors=[], workspace=None, ops=None, grouped=None, ulysses=None)
 
     def save():
         with open(args.out, "w") as f:
@@ -650,6 +707,15 @@ def main(argv=None):
         except Exception as e:
             out["errors"].append(f"grouped_mm: {type(e).__name__}: {e}")
             print(f"FAIL grouped_mm\n{traceback.format_exc()}", flush=True)
+        save()
+    if st in ("all", "ulysses"):
+        try:
+            out["ulysses"] = ul = ulysses_check(dev, args.smoke)
+            print(f"ulysses: {ul}", flush=True)
+            out["errors"] += [f"ulysses: {p}" for p in ul["problems"]]
+        except Exception as e:
+            out["errors"].append(f"ulysses: {type(e).__name__}: {e}")
+            print(f"FAIL ulysses\n{traceback.format_exc()}", flush=True)
         save()
     if args.ops and st in ("all", "ops"):
         out["ops"] = sh = fused_ops_check(args.ops)

@@ -22,4 +22,5 @@ run ag 75          # AG consumer GEMM rate against torch.mm, 4 shapes
 run rs 75          # RS producer GEMM rate against torch.mm, 4 shapes
 run ops 70         # the fused ops between processes (skipped with fewer GPUs than ranks)
 run grouped 40     # overlapc::grouped_mm (dropless expert loops) against the loop, and its rate
-grep -E "^(FAIL|error|stage|kernel|ag_gemm|gemm_rs|workspace \(|fused ops|grouped_mm)" "$log" | cut -c1-400
+run ulysses 90     # the Ulysses block compiled: SDPA's CUDA kernel inside the head-chunked region
+grep -E "^(FAIL|error|stage|kernel|ag_gemm|gemm_rs|workspace \(|fused ops|grouped_mm|ulysses)" "$log" | cut -c1-400

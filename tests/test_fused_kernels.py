@@ -487,6 +487,8 @@ def test_gpu_check_smoke_runs_every_part(tmp_path):
     w = res["workspace"]
     assert w["flags_ok"] and w["data_ok"] and w["pipelined_ok"] and w["abort_ok"], w
     assert res["grouped"]["max_err_vs_loop"] == {"y": 0.0, "dx": 0.0, "dw": 0.0}, res["grouped"]
+    ul = res["ulysses"]  # the CPU's flash op here; CUDA's kernels on a GPU
+    assert ul["problems"] == [] and set(ul["attention_calls"]) == {"forward", "backward"}, ul
     ops = res["ops"]
     assert ops["failed"] == [] and len(ops["ranks"]) == 2
     for r in ops["ranks"]:
