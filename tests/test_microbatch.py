@@ -220,3 +220,29 @@ def test_microbatch_failed_replay_is_reported(fake_mesh8, monkeypatch):
     cuts = [s for s in rep.sites if s.pattern == "microbatch"]
     assert cuts and all(s.status == "skipped" and "slice shape refused" in s.reason for s in cuts), str(rep)
     assert {k: v for k, v in rep.counts().items() if k[1] != "microbatch"} == plain.counts()
+
+
+def test_microbatch_region_goes_through_cuda_fused_attention(fake_mesh8, monkeypatch):
+    """On a GPU, SDPA traces to CUDA's fused kernels (here their CPU stand-ins,
+    tests/sdpa_doubles.py): batch slices run through them as through the CPU's flash op,
+    taking in the same collectives, forward and backward."""
+    import sdpa_doubles
+
+    import overlapc
+    from overlapc.models import llama
+
+    sdpa_doubles.register()
+
+    def cut(kind):
+        if kind is not None:
+            monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                                lambda q, k, v, is_causal=False: sdpa_doubles.call(kind, q, k, v, is_causal))
+        model, inputs = llama.build_tp_sp(fake_mesh8, n_layers=1, batch=2)
+        report = overlapc.explain(model, *inputs, options={"strategy": "none", "microbatches": 2})
+        return sorted((s.graph, s.status, s.chunks, s.details["collectives"], s.details["sums_after_slices"])
+                      for s in report.sites if s.pattern == "microbatch")
+
+    cpu = cut(None)
+    assert [c[:3] for c in cpu] == [("backward", "rewritten", 2), ("forward", "rewritten", 2)], cpu
+    for kind in ("flash", "efficient"):
+        assert cut(kind) == cpu, kind
