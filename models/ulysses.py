@@ -28,6 +28,12 @@ class UlyssesConfig:
     n_heads: int = 8
     """Attention heads; divisible by the sequence-parallel degree."""
     causal: bool = True
+    n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention; None: n_heads); divisible by the
+    sequence-parallel degree, and dividing n_heads."""
+    gqa: str = "repeat"
+    """How query heads share k/v heads: "repeat" (k/v repeated per query head, as Hugging
+    Face's and torchtitan's repeat_kv: expand + reshape) or "sdpa" (``enable_gqa=True``)."""
     seed: int = 0
 
 
@@ -38,13 +44,20 @@ class UlyssesAttention(nn.Module):
         self.sp = 1 if group is None else torch.distributed.get_world_size(group)
         if cfg.dim % cfg.n_heads:
             raise ValueError(f"UlyssesConfig.dim={cfg.dim} is not divisible by n_heads={cfg.n_heads}")
-        if cfg.n_heads % self.sp:
-            raise ValueError(f"UlyssesConfig.n_heads={cfg.n_heads} is not divisible by the "
-                             f"sequence-parallel degree {self.sp}")
+        self.n_kv = cfg.n_kv_heads or cfg.n_heads
+        for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", self.n_kv)):
+            if n % self.sp:
+                raise ValueError(f"UlyssesConfig.{what}={n} is not divisible by the "
+                                 f"sequence-parallel degree {self.sp}")
+        if cfg.n_heads % self.n_kv:
+            raise ValueError(f"UlyssesConfig.n_kv_heads={self.n_kv} does not divide n_heads={cfg.n_heads}")
+        if cfg.gqa not in ("repeat", "sdpa"):
+            raise ValueError(f"UlyssesConfig.gqa={cfg.gqa!r}: expected 'repeat' or 'sdpa'")
         g = torch.Generator().manual_seed(cfg.seed)
         scale = cfg.dim ** -0.5
-        for name in ("wq", "wk", "wv", "wo"):
-            setattr(self, name, nn.Parameter(torch.randn(cfg.dim, cfg.dim, generator=g) * scale))
+        kv_dim = self.n_kv * (cfg.dim // cfg.n_heads)
+        for name, rows in (("wq", cfg.dim), ("wk", kv_dim), ("wv", kv_dim), ("wo", cfg.dim)):
+            setattr(self, name, nn.Parameter(torch.randn(rows, cfg.dim, generator=g) * scale))
 
     def _all_to_all(self, t):
         if self.group is None:
@@ -69,13 +82,24 @@ class UlyssesAttention(nn.Module):
 
     def forward(self, x):
         b, s, d = x.shape
-        h = self.cfg.n_heads
-        q, k, v = (self._seq_to_heads(F.linear(x, w).view(b, s, h, d // h)) for w in (self.wq, self.wk, self.wv))
+        h, hd = self.cfg.n_heads, d // self.cfg.n_heads
+        q, k, v = (self._seq_to_heads(F.linear(x, w).view(b, s, n, hd))
+                   for w, n in ((self.wq, h), (self.wk, self.n_kv), (self.wv, self.n_kv)))
+        if self.n_kv != h and self.cfg.gqa == "repeat":
+            k, v = _repeat_kv(k, h // self.n_kv), _repeat_kv(v, h // self.n_kv)
         return F.linear(self._heads_to_seq(self.attend(q, k, v)), self.wo)
 
     def attend(self, q, k, v):
-        """Attention over the whole sequence for this rank's heads, (B, H/P, S, hd) each."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=self.cfg.causal)
+        """Attention over the whole sequence for this rank's heads, (B, H/P, S, hd) each
+        (k, v: (B, H_kv/P, S, hd) where ``gqa="sdpa"``)."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.cfg.causal,
+                                              **({"enable_gqa": True} if k.shape[1] != q.shape[1] else {}))
+
+
+def _repeat_kv(t, n: int):
+    """(B, H_kv, S, hd) -> (B, H_kv * n, S, hd), each k/v head repeated for its n query heads."""
+    b, hkv, s, hd = t.shape
+    return t[:, :, None].expand(b, hkv, n, s, hd).reshape(b, hkv * n, s, hd)
 
 
 def build_ulysses(mesh, *, batch: int = 2, seq: int = 32, **cfg_kw):

@@ -137,7 +137,16 @@ def candidate_regions(site, may_chain=lambda coll: True) -> list[ax.Region]:
         if r is not None and r.matmuls:
             regions.append(r)
     most = max((len(r.collectives) for r in regions), default=0)
-    return [r for r in regions if len(r.collectives) == most]
+    regions = [r for r in regions if len(r.collectives) == most]
+    # A dim's indices in groups (ax.candidate_axes) only where the single indices reach less:
+    # a region along the finer axis can cut everything the coarser one can, and more.
+    return [r for r in regions if not any(_finer(o.axis, r.axis) and set(o.collectives) == set(r.collectives)
+                                          for o in regions)]
+
+
+def _finer(a: ax.Axis, b: ax.Axis) -> bool:
+    """``a`` cuts the same span of the same dim as ``b``, into more pieces."""
+    return a.dim == b.dim and a.extent > b.extent and a.extent * a.inner == b.extent * b.inner
 
 
 def best_region(site, may_chain=lambda coll: True) -> ax.Region | None:

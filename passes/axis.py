@@ -150,8 +150,11 @@ def step_of(node: Node, axes: dict[Node, Axis]) -> Step | None:
     if t is operator.getitem:
         src = node.args[0]
         shape = static_shape(node)
-        if src in axes and shape is not None and axes[src].fits(shape):
-            return Step(node, axes[src], {0: PIECE})
+        a = axes.get(src)
+        if a is not None and src.target in BATCHED:  # a result with its own head count (GQA: dk, dv)
+            a = heads_axis(a, static_shape(src.args[0]), shape)
+        if a is not None and shape is not None and a.fits(shape):
+            return Step(node, a, {0: PIECE})
         return None
     if not isinstance(t, torch._ops.OpOverload):
         return None
@@ -238,7 +241,7 @@ def step_of(node: Node, axes: dict[Node, Axis]) -> Step | None:
         shift = 0 if keep else sum(d < a.dim for d in dims)
         return Step(node, Axis(a.dim - shift, a.extent, a.inner), {0: PIECE})
     if _pointwise(node):
-        if t is ops.aten._to_copy.default and not _same_place_copy(node):
+        if t is ops.aten._to_copy.default and not ops.same_place_copy(node):
             return None
         axis = next(iter(axes[n] for n in reached.values()))
         if not axis.fits(out):
@@ -257,18 +260,6 @@ def step_of(node: Node, axes: dict[Node, Axis]) -> Step | None:
                 operands[k] = how
         return Step(node, axis, operands)
     return None
-
-
-def _same_place_copy(node: Node) -> bool:
-    """A ``_to_copy`` that changes at most the dtype (or memory format): no device or layout
-    move (the tracer spells out layout and device even where they do not change)."""
-    kw = dict(node.kwargs)
-    src = ops.val(node.args[0])
-    if "device" in kw and (src is None or torch.device(kw.pop("device")) != src.device):
-        return False
-    if kw.pop("layout", torch.strided) != torch.strided:
-        return False
-    return set(kw) <= {"dtype", "memory_format"}
 
 
 @dataclass(frozen=True)
@@ -327,11 +318,30 @@ def _batched_args(node: Node):
     return [(k, a) for k, a in _tensor_args(node) if k in spec.batched]
 
 
+def heads_axis(a: Axis, src: list[int] | None, dst: list[int] | None) -> Axis | None:
+    """An attention op's axis ``a`` on a tensor of shape ``src`` carried to one of shape
+    ``dst`` (another operand or result of the op): the batch (dim 0) as it is; the heads
+    (dim 1) in as many groups, where the two have other head counts (grouped-query
+    attention: query head h reads k/v head h // (H / H_kv), so chunk c of the query heads'
+    groups reads chunk c of the k/v heads)."""
+    if src is None or dst is None or len(src) < 2 or len(dst) < 2 or a.dim not in (0, 1) or src[0] != dst[0]:
+        return None
+    if a.dim == 0:
+        return a
+    outer = a.outer(src)
+    if dst[1] % (a.extent * outer):
+        return None
+    return Axis(1, a.extent, dst[1] // (a.extent * outer))
+
+
 def _batched_step(node: Node, axes: dict[Node, Axis]) -> Step | None:
+    """A fused attention op: its axis is that of its first argument (query, or in the backward
+    the output's gradient); each (batch, heads, ...) operand follows it (:func:`heads_axis`)."""
     spec = BATCHED[node.target]
     batched = _batched_args(node)
-    reached = [axes[a] for _, a in batched if a in axes]
-    if not reached or any(r != reached[0] for r in reached) or reached[0].dim not in (0, 1):
+    ref = static_shape(node.args[0])
+    reached = [heads_axis(axes[n], static_shape(n), ref) for _, n in batched if n in axes]
+    if not reached or None in reached or any(r != reached[0] for r in reached):
         return None
     if any(a in axes for k, a in _tensor_args(node) if k not in spec.batched):
         return None
@@ -341,15 +351,12 @@ def _batched_step(node: Node, axes: dict[Node, Axis]) -> Step | None:
     if any(attention_arg(node, i) is not None for i in spec.none):
         return None  # an attention bias or mask, or nested-tensor sequence offsets
     operands = {}
-    size = None
     for k, n in batched:
         shape = static_shape(n)
-        if shape is None or len(shape) < 2 or not a.fits(shape):
+        want = heads_axis(a, ref, shape)
+        if want is None or not want.fits(shape) or (n in axes and axes[n] != want):
             return None
-        size = shape[a.dim] if size is None else size
-        if shape[a.dim] != size:
-            return None
-        operands[k] = PIECE if n in axes else a
+        operands[k] = PIECE if n in axes else want
     return Step(node, a, operands)
 
 
@@ -566,14 +573,17 @@ def _inputs_for(x: Node, a: Axis, may_chain, kinds=(ops.ALL_TO_ALL,)) -> list[tu
     t = x.target
     if t is operator.getitem:
         src = x.args[0]
+        if isinstance(src, Node) and src.target in BATCHED:
+            sa = heads_axis(a, static_shape(x), static_shape(src.args[0]))
+            return [(src, sa)] if sa is not None else None
         return [(src, a)] if isinstance(src, Node) and src.target in TUPLES else None
     if t is ops.aten.split.Tensor:
         d = _norm(x.args[2] if len(x.args) > 2 else x.kwargs.get("dim", 0), len(static_shape(x.args[0]) or [0]))
         return [(x.args[0], a)] if d != a.dim else None
     if t in BATCHED:
-        if a.dim not in (0, 1):
-            return None
-        return [(n, a) for _, n in _batched_args(x)]
+        ref = static_shape(x.args[0])
+        ins = [(n, heads_axis(a, ref, static_shape(n))) for _, n in _batched_args(x)]
+        return ins if all(ia is not None for _, ia in ins) else None
     if t in (ops.aten.stack.default, ops.aten.cat.default):
         d = x.args[1] if len(x.args) > 1 else x.kwargs.get("dim", 0)
         d = _norm(d, len(static_shape(x) or [0]))
@@ -594,6 +604,9 @@ def _inputs_for(x: Node, a: Axis, may_chain, kinds=(ops.ALL_TO_ALL,)) -> list[tu
         rank = len(shape)
         perm = _perm(x, rank)
         return [(x.args[0], Axis(perm[a.dim], a.extent, a.inner))]
+    if t is ops.aten.expand.default:  # along a dim it does not broadcast (GQA's repeated k/v heads)
+        src = static_shape(x.args[0])
+        return [(x.args[0], a)] if src is not None and len(src) == len(shape) and src[a.dim] == shape[a.dim] else None
     if t is ops.WAIT:
         return [(x.args[0], a)]
     if t is ops.ALL_TO_ALL:
@@ -699,6 +712,10 @@ def candidate_axes(node: Node, world: int) -> list[Axis]:
                 out.append(Axis(0, dst[j], p // row))
     out.append(Axis(0, shape[0] // world, 1))
     out += [Axis(d, shape[d], 1) for d in range(1, len(shape)) if shape[d] > 1]
+    # and groups of a dim's indices (heads in groups: with grouped-query attention, chunk c of
+    # the k/v heads serves the query heads of group c)
+    out += [Axis(d, e, shape[d] // e) for d in range(1, len(shape)) for e in range(2, shape[d])
+            if shape[d] % e == 0]
     seen, keep = set(), []
     for a in out:
         if a not in seen and a.fits(shape) and (a.dim != 0 or a.outer(shape) % world == 0) and a.extent > 1:

@@ -135,13 +135,22 @@ def is_layout(node: Node) -> bool:
     if node.op != "call_function" or node.target not in LAYOUT_OPS:
         return False
     if node.target is aten._to_copy.default:
-        # Only a dtype change is transparent; a device or layout change is not (autograd's
-        # backward of a cast names the device and layout it keeps).
-        kw, src = node.kwargs, val(node.args[0])
-        return set(kw) <= {"dtype", "memory_format", "layout", "device", "pin_memory", "non_blocking"} \
-            and kw.get("layout") in (None, torch.strided) and not kw.get("pin_memory") \
-            and (kw.get("device") is None or src is not None and torch.device(kw["device"]) == src.device)
+        return same_place_copy(node)  # a dtype change is transparent; a device or layout change is not
     return True
+
+
+def same_place_copy(node: Node) -> bool:
+    """A ``_to_copy`` that changes at most the dtype (or memory format): no device or layout
+    move (the tracer, and autograd's backward of a cast, spell out layout and device even
+    where they do not change)."""
+    kw, src = dict(node.kwargs), val(node.args[0])
+    device = kw.pop("device", None)
+    if device is not None and (src is None or torch.device(device) != src.device):
+        return False
+    if kw.pop("layout", None) not in (None, torch.strided) or kw.pop("pin_memory", None):
+        return False
+    kw.pop("non_blocking", None)
+    return set(kw) <= {"dtype", "memory_format"}
 
 
 def val(node) -> torch.Tensor | None:

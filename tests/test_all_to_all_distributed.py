@@ -317,9 +317,11 @@ def ulysses_job(config: dict) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = DTYPES[config["dtype"]]
     mesh = init_device_mesh("cpu", (world,))
-    kw = dict(dim=config["heads"] * 8, n_heads=config["heads"], causal=config.get("causal", True))
-    ref, (x,) = ulysses.build_ulysses(mesh, batch=2, seq=8 * world, **kw)
-    model, _ = ulysses.build_ulysses(mesh, batch=2, seq=8 * world, **kw)
+    kw = dict(dim=config["heads"] * 8, n_heads=config["heads"], causal=config.get("causal", True),
+              n_kv_heads=config.get("kv_heads"), gqa=config.get("gqa", "repeat"))
+    batch = config.get("batch", 2)
+    ref, (x,) = ulysses.build_ulysses(mesh, batch=batch, seq=8 * world, **kw)
+    model, _ = ulysses.build_ulysses(mesh, batch=batch, seq=8 * world, **kw)
     ref, model, x = ref.to(dtype), model.to(dtype), x.detach().to(dtype)
     if "attention" in config:  # a CUDA fused kernel's op, as SDPA traces on a GPU (CPU stand-in)
         import sdpa_doubles
@@ -364,11 +366,15 @@ def test_ulysses_matches_eager(world_name, request):
     cases += [dict(heads=8, dtype="fp32", chunks=2, attention="flash"),
               dict(heads=8, dtype="bf16", chunks=2, attention="efficient"),
               dict(heads=8, dtype="fp32", chunks=2, attention="cudnn", causal=False)]
+    # grouped-query attention (k/v heads shared by groups of query heads), batch 1: the region
+    # chunks the k/v heads, each chunk with its group of query heads, through attention
+    cases += [dict(heads=16, kv_heads=8, dtype="fp32", chunks=2, gqa="repeat", batch=1),
+              dict(heads=16, kv_heads=8, dtype="bf16", chunks=4, gqa="sdpa", batch=1)]
     for config in cases:
-        heads, chunks = config["heads"], config["chunks"]
+        heads, chunks = config.get("kv_heads", config["heads"]), config["chunks"]
         if heads // n < 2:
             continue
-        axes = {heads // n, 2}
+        axes = {heads // n, config.get("batch", 2)}
         for r in world.run(ulysses_job, config):
             assert [g for g, *_ in r] == ["backward", "forward"], (config, r)
             for g, status, k, extent in r:

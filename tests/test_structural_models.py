@@ -168,6 +168,32 @@ def test_ulysses_one_region_per_graph(fake_mesh8):
         assert all(s.status == "rewritten" and s.details["chained_from"] == first.name for s in rest)
 
 
+@pytest.mark.parametrize("gqa", ["repeat", "sdpa"])
+def test_ulysses_gqa_one_region_per_graph(fake_mesh8, gqa):
+    """Grouped-query attention at world 8, batch 1: 32 query heads and 16 k/v heads, 4 and 2
+    per rank. Chunk c of the k/v heads serves query heads [2c, 2c + 2): the region runs
+    through the k/v heads' repetition (expand + reshape) or through attention taking fewer
+    k/v heads (enable_gqa), so all four all-to-alls are one region per graph, chunked along
+    the 2 local k/v heads (query heads in pairs). Before, each all-to-all had a region of
+    its own, ending at attention."""
+    from overlapc.models import ulysses
+    model, inputs = ulysses.build_ulysses(fake_mesh8, batch=1, seq=64, dim=256, n_heads=32, n_kv_heads=16, gqa=gqa)
+    report = overlapc.explain(model, *inputs, options={"strategy": "decompose", "chunks": 4})
+    for graph in ("forward", "backward"):
+        first, *rest = [s for s in report.sites if s.graph == graph]
+        assert first.status == "rewritten" and len(first.details["chained"]) == 3, str(report)
+        assert first.details["axis"]["extent"] == 2 and first.chunks == 2, first.details["axis"]
+        assert all(s.status == "rewritten" and s.details["chained_from"] == first.name for s in rest)
+
+
+def test_ulysses_config_errors():
+    from overlapc.models import ulysses
+    for kw, msg in ((dict(n_kv_heads=3), "n_kv_heads=3 does not divide n_heads=8"),
+                    (dict(gqa="mqa"), "gqa='mqa': expected 'repeat' or 'sdpa'")):
+        with pytest.raises(ValueError, match=msg):
+            ulysses.UlyssesAttention(ulysses.UlyssesConfig(**kw))
+
+
 @pytest.mark.parametrize("kind", ["flash", "efficient", "cudnn"])
 def test_sdpa_stand_ins_are_attention(kind):
     """The CPU stand-ins of the CUDA kernels (tests/sdpa_doubles.py) compute SDPA: output
