@@ -139,9 +139,16 @@ def candidate_regions(site, may_chain=lambda coll: True) -> list[ax.Region]:
     most = max((len(r.collectives) for r in regions), default=0)
     regions = [r for r in regions if len(r.collectives) == most]
     # A dim's indices in groups (ax.candidate_axes) only where the single indices reach less:
-    # a region along the finer axis can cut everything the coarser one can, and more.
-    return [r for r in regions if not any(_finer(o.axis, r.axis) and set(o.collectives) == set(r.collectives)
-                                          for o in regions)]
+    # a region along the finer axis that takes the same collectives and matmuls can cut
+    # everything the coarser one can, and more.
+    return [r for r in regions if not (_grouped(r.axis) and any(
+        _finer(o.axis, r.axis) and set(o.collectives) == set(r.collectives) and set(o.matmuls) >= set(r.matmuls)
+        for o in regions))]
+
+
+def _grouped(a: ax.Axis) -> bool:
+    """An axis of ax.candidate_axes' grouped kind: indices of a dim other than the first, in groups."""
+    return a.dim >= 1 and a.inner > 1
 
 
 def _finer(a: ax.Axis, b: ax.Axis) -> bool:
@@ -206,8 +213,7 @@ def auto_chunks(extent: int) -> int:
 def _attention_flops(node: Node) -> int | None:
     """Flops of a fused attention op (q, k: (B, H, S, D)): 4*B*H*Sq*Sk*D forward (two
     GEMMs), 2.5 times that backward (five, with the recomputed scores); causal halves it."""
-    spec = ax.BATCHED.get(node.target)
-    if spec is None:
+    if node.target not in ax.BATCHED:
         return None
     bwd = "backward" in node.target.__name__
     q, k = (ops.val(a) if isinstance(a, Node) else None for a in node.args[int(bwd):int(bwd) + 2])
@@ -218,7 +224,7 @@ def _attention_flops(node: Node) -> int | None:
     if None in (b, h, sq, d, sk):
         return None
     flops = 4 * b * h * sq * sk * d * (5 if bwd else 2) // 2
-    if ax.attention_arg(node, spec.causal) is True:
+    if ops.arg(node, "is_causal") is True:
         flops //= 2
     return flops
 

@@ -152,6 +152,8 @@ def step_of(node: Node, axes: dict[Node, Axis]) -> Step | None:
         shape = static_shape(node)
         a = axes.get(src)
         if a is not None and src.target in BATCHED:  # a result with its own head count (GQA: dk, dv)
+            if node.args[1] not in BATCHED[src.target].outputs:
+                return None
             a = heads_axis(a, static_shape(src.args[0]), shape)
         if a is not None and shape is not None and a.fits(shape):
             return Step(node, a, {0: PIECE})
@@ -267,13 +269,11 @@ class Attention:
     """A fused attention op, forward or backward: every tensor of ``batched`` (arg positions)
     and ``outputs`` (result indices) is (batch, heads, ...), so dims 0 and 1 are independent
     and chunks along either go through. Its other results (CUDA kernels' RNG state, sequence
-    lengths, an empty debug mask) are the same for every chunk while dropout is 0: readers
-    outside take the first chunk's. ``none``: args that must be None (attention
-    bias, cumulative sequence lengths); ``off``: flag args that must be False."""
+    lengths, an empty debug mask) are the same for every chunk while ``dropout_p`` is 0:
+    readers outside take the first chunk's. ``none``: args (by name) that must be None
+    (attention bias or mask, nested-tensor sequence offsets); ``off``: flags that must be False."""
     batched: frozenset
     outputs: frozenset
-    dropout: int
-    causal: int
     none: tuple = ()
     off: tuple = ()
 
@@ -281,36 +281,28 @@ class Attention:
 def _attention_ops() -> dict:
     specs = {
         # CPU flash attention: (out, logsumexp); backward -> (dq, dk, dv)
-        "_scaled_dot_product_flash_attention_for_cpu": ((0, 1, 2), (0, 1), 3, 4, ("attn_mask",), ()),
-        "_scaled_dot_product_flash_attention_for_cpu_backward": ((0, 1, 2, 3, 4, 5), (0, 1, 2), 6, 7, ("attn_mask",), ()),
+        "_scaled_dot_product_flash_attention_for_cpu": ((0, 1, 2), (0, 1), ("attn_mask",), ()),
+        "_scaled_dot_product_flash_attention_for_cpu_backward": ((0, 1, 2, 3, 4, 5), (0, 1, 2), ("attn_mask",), ()),
         # CUDA flash: (out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng state, unused, debug mask)
-        "_scaled_dot_product_flash_attention": ((0, 1, 2), (0, 1), 3, 4, (), (5,)),
-        "_scaled_dot_product_flash_attention_backward": ((0, 1, 2, 3, 4, 5), (0, 1, 2), 10, 11, (6, 7), ()),
+        "_scaled_dot_product_flash_attention": ((0, 1, 2), (0, 1), (), ("return_debug_mask",)),
+        "_scaled_dot_product_flash_attention_backward": ((0, 1, 2, 3, 4, 5), (0, 1, 2),
+                                                         ("cum_seq_q", "cum_seq_k"), ()),
         # memory-efficient: (out, logsumexp padded to 32 rows, seed, offset); backward also a bias grad
-        "_scaled_dot_product_efficient_attention": ((0, 1, 2), (0, 1), 5, 6, (3,), ()),
-        "_scaled_dot_product_efficient_attention_backward": ((0, 1, 2, 3, 5, 6), (0, 1, 2), 9, 11, (4,), ()),
+        "_scaled_dot_product_efficient_attention": ((0, 1, 2), (0, 1), ("attn_bias",), ()),
+        "_scaled_dot_product_efficient_attention_backward": ((0, 1, 2, 3, 5, 6), (0, 1, 2), ("attn_bias",), ()),
         # cuDNN: as flash, logsumexp (B, H, S, 1)
-        "_scaled_dot_product_cudnn_attention": ((0, 1, 2), (0, 1), 5, 6, (3,), (7,)),
-        "_scaled_dot_product_cudnn_attention_backward": ((0, 1, 2, 3, 4, 5), (0, 1, 2), 13, 14, (8, 9, 10), ()),
+        "_scaled_dot_product_cudnn_attention": ((0, 1, 2), (0, 1), ("attn_bias",), ("return_debug_mask",)),
+        "_scaled_dot_product_cudnn_attention_backward": ((0, 1, 2, 3, 4, 5), (0, 1, 2),
+                                                         ("attn_bias", "cum_seq_q", "cum_seq_k"), ()),
     }
-    return {getattr(ops.aten, name).default: Attention(frozenset(b), frozenset(o), d, c, none, off)
-            for name, (b, o, d, c, none, off) in specs.items() if hasattr(ops.aten, name)}
+    return {getattr(ops.aten, name).default: Attention(frozenset(b), frozenset(o), none, off)
+            for name, (b, o, none, off) in specs.items() if hasattr(ops.aten, name)}
 
 
 # Fused attention ops (forward and backward), on CPU and the CUDA kernels SDPA picks from.
 BATCHED = _attention_ops()
 TUPLES = {*BATCHED, ops.aten.split.Tensor}
 """Ops that return tuples: only their getitems have shapes (and can be narrowed)."""
-
-
-def attention_arg(node: Node, i: int | str, default=None):
-    """An attention op's argument by position (or keyword name), its default if absent."""
-    if isinstance(i, str):
-        return node.kwargs.get(i, default)
-    if len(node.args) > i:
-        return node.args[i]
-    name = node.target._schema.arguments[i].name
-    return node.kwargs.get(name, default)
 
 
 def _batched_args(node: Node):
@@ -346,9 +338,9 @@ def _batched_step(node: Node, axes: dict[Node, Axis]) -> Step | None:
     if any(a in axes for k, a in _tensor_args(node) if k not in spec.batched):
         return None
     a = reached[0]
-    if (attention_arg(node, spec.dropout) or 0.0) != 0.0 or any(attention_arg(node, i) for i in spec.off):
+    if (ops.arg(node, "dropout_p") or 0.0) != 0.0 or any(ops.arg(node, name) for name in spec.off):
         return None
-    if any(attention_arg(node, i) is not None for i in spec.none):
+    if any(ops.arg(node, name) is not None for name in spec.none):
         return None  # an attention bias or mask, or nested-tensor sequence offsets
     operands = {}
     for k, n in batched:
@@ -694,6 +686,10 @@ def _deferrable(steps: dict[Node, Step]) -> list[Node]:
             and any(f >= level[n] for f in fed)]
 
 
+MAX_GROUPED = 64
+"""Dims of at most this size (heads, batch: not sequence rows) also offer their indices in groups."""
+
+
 def candidate_axes(node: Node, world: int) -> list[Axis]:
     """Axes of an all-to-all's output to try: every factor of dim 0 that a reshape user
     exposes (keeping the peers' blocks whole), and every other dim."""
@@ -714,8 +710,8 @@ def candidate_axes(node: Node, world: int) -> list[Axis]:
     out += [Axis(d, shape[d], 1) for d in range(1, len(shape)) if shape[d] > 1]
     # and groups of a dim's indices (heads in groups: with grouped-query attention, chunk c of
     # the k/v heads serves the query heads of group c)
-    out += [Axis(d, e, shape[d] // e) for d in range(1, len(shape)) for e in range(2, shape[d])
-            if shape[d] % e == 0]
+    out += [Axis(d, e, shape[d] // e) for d in range(1, len(shape)) if shape[d] <= MAX_GROUPED
+            for e in range(2, shape[d]) if shape[d] % e == 0]
     seen, keep = set(), []
     for a in out:
         if a not in seen and a.fits(shape) and (a.dim != 0 or a.outer(shape) % world == 0) and a.extent > 1:

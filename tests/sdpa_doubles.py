@@ -4,11 +4,13 @@ On a GPU, ``F.scaled_dot_product_attention`` becomes ``_scaled_dot_product_flash
 ``_scaled_dot_product_efficient_attention`` or ``_scaled_dot_product_cudnn_attention``
 (and their backwards) in the traced graph; those ops have no CPU kernel. These stand-ins
 compute the same attention by its definition (softmax(q k^T * scale) v, causal from the
-top left, logsumexp of the scores) and return every result in the shapes, dtypes and order of
-the ops' meta functions, so a model that calls the ops directly traces, compiles and runs on
-the CPU: tests check that overlapc's regions carry these ops (the structure a GPU graph has)
-and that the chunked graph computes what the unchunked one does. They say nothing about the
-CUDA kernels' own numerics (scripts/gpu_check.sh's ulysses stage runs those).
+top left, logsumexp of the scores) and return their results in the order and, for the tensors
+overlapc chunks (output, logsumexp, gradients), the shapes of the ops' meta functions (torch
+2.13's; empty tensors where those return None). Tracing uses the meta functions, so a model
+that calls the ops directly traces, compiles and runs on the CPU: tests check that overlapc's
+regions carry these ops (the structure a GPU graph has) and that the chunked graph computes
+what the unchunked one does. Equal head counts only (no grouped-query attention). They say
+nothing about the CUDA kernels' own numerics (scripts/gpu_check.sh's ulysses stage runs those).
 """
 from __future__ import annotations
 
@@ -109,6 +111,17 @@ def register() -> None:
         lib.impl(op, globals()[kind], "CPU")
         lib.impl(op + "_backward", globals()[kind + "_backward"], "CPU")
     _LIB = lib
+
+
+def fused_ulysses(kind: str):
+    """models/ulysses.UlyssesAttention with its attention the fused op ``kind`` (set an
+    instance's ``__class__`` to it)."""
+    from overlapc.models import ulysses
+
+    class Fused(ulysses.UlyssesAttention):
+        def attend(self, q, k, v):
+            return call(kind, q, k, v, self.cfg.causal)
+    return Fused
 
 
 def call(kind: str, q, k, v, causal: bool):

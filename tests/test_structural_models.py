@@ -228,13 +228,8 @@ def test_ulysses_region_goes_through_cuda_fused_attention(fake_mesh8, kind):
     from overlapc.passes import ops
 
     sdpa_doubles.register()
-
-    class Fused(ulysses.UlyssesAttention):
-        def attend(self, q, k, v):
-            return sdpa_doubles.call(kind, q, k, v, self.cfg.causal)
-
     model, inputs = ulysses.build_ulysses(fake_mesh8, batch=2, seq=64, dim=256, n_heads=32)
-    model.__class__ = Fused
+    model.__class__ = sdpa_doubles.fused_ulysses(kind)
     report, graphs = capture(model, *inputs, options={"strategy": "decompose", "chunks": 4})
     for graph in ("forward", "backward"):
         first, *rest = [s for s in report.sites if s.graph == graph]

@@ -46,8 +46,9 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor,
     """See the module docstring. ``index``: group g uses weight ``mat_b[index[g]]`` (an expert
     bank indexed per group: no stacked copy of the weights), and in the weight-gradient
     form adds its sum into ``out[index[g]]`` of ``n_out`` weights. Products are computed in
-    ``mat_a``'s dtype (a weight of another dtype is cast per group); the weight-gradient form
-    returns ``out_dtype`` (default: ``mat_a``'s)."""
+    ``mat_a``'s dtype (a weight of another dtype is cast per group, as autocast's ``mm`` does;
+    passes/expert_loop.py emits mixed dtypes only under autocast, where eager's loop casts
+    too); the weight-gradient form returns ``out_dtype`` (default: ``mat_a``'s)."""
     _check(mat_a, mat_b, offs, index, n_out)
     ends = _ends(offs)
     rows = mat_a.shape[0] if mat_b.dim() == 3 else mat_a.shape[1]
@@ -66,7 +67,10 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor,
     if index is None:
         out = mat_a.new_empty((len(ends), *shape), dtype=dtype)
         for g, (start, end) in enumerate(zip(starts, ends)):
-            out[g] = torch.mm(mat_a[:, start:end], mat_b[start:end])
+            if dtype == mat_a.dtype:
+                torch.mm(mat_a[:, start:end], mat_b[start:end], out=out[g])
+            else:
+                out[g] = torch.mm(mat_a[:, start:end], mat_b[start:end])
         return out
     # Each group's product rounded to the dtype, then added, last group first: as eager's
     # autograd sums the gradient of a weight that several groups read (it reaches the
@@ -120,10 +124,7 @@ def _backward(ctx, grad):
     if ctx.needs_input_grad[0]:
         grad_a = grouped_mm(grad, b.transpose(-2, -1), offs, ctx.index)
     if ctx.needs_input_grad[1]:
-        if ctx.index is not None:
-            grad_b = grouped_mm(a.t(), grad, offs, ctx.index, b.shape[0], b.dtype)
-        else:
-            grad_b = grouped_mm(a.t(), grad, offs, None, -1, b.dtype)
+        grad_b = grouped_mm(a.t(), grad, offs, ctx.index, b.shape[0] if ctx.index is not None else -1, b.dtype)
     return grad_a, grad_b, None, None, None, None
 
 
