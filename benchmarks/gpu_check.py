@@ -698,25 +698,26 @@ def main(argv=None):
                 out["errors"].append(f"{name} {M}x{K}x{N}: {type(e).__name__}: {e}")
                 print(f"[{time.time() - t0:5.0f} s] FAIL {name} {M}x{K}x{N}\n{traceback.format_exc()}", flush=True)
             save()
+
+    def part(key: str, name: str, run, problems=lambda res: [], label=None) -> None:
+        """One check: its result under out[key], printed as ``label(result)`` (default: name);
+        its problems, or the exception it raised, as errors. A failure does not stop the rest."""
+        try:
+            out[key] = res = run()
+            print(f"{label(res) if label else name}: {res}", flush=True)
+            out["errors"].extend(problems(res))
+        except Exception as e:
+            out["errors"].append(f"{name}: {type(e).__name__}: {e}")
+            print(f"FAIL {name}\n{traceback.format_exc()}", flush=True)
+        save()
+
     if st in ("all", "grouped"):
-        try:
-            out["grouped"] = gr = grouped_check(dev, args.smoke, args.reps)
-            print(f"grouped_mm: {gr}", flush=True)
-            if any(v != 0 for v in gr["max_err_vs_loop"].values()):
-                out["errors"].append(f"grouped_mm differs from the loop it replaces: {gr['max_err_vs_loop']}")
-        except Exception as e:
-            out["errors"].append(f"grouped_mm: {type(e).__name__}: {e}")
-            print(f"FAIL grouped_mm\n{traceback.format_exc()}", flush=True)
-        save()
+        part("grouped", "grouped_mm", lambda: grouped_check(dev, args.smoke, args.reps),
+             lambda gr: [f"grouped_mm differs from the loop it replaces: {gr['max_err_vs_loop']}"]
+             if any(v != 0 for v in gr["max_err_vs_loop"].values()) else [])
     if st in ("all", "ulysses"):
-        try:
-            out["ulysses"] = ul = ulysses_check(dev, args.smoke)
-            print(f"ulysses: {ul}", flush=True)
-            out["errors"] += [f"ulysses: {p}" for p in ul["problems"]]
-        except Exception as e:
-            out["errors"].append(f"ulysses: {type(e).__name__}: {e}")
-            print(f"FAIL ulysses\n{traceback.format_exc()}", flush=True)
-        save()
+        part("ulysses", "ulysses", lambda: ulysses_check(dev, args.smoke),
+             lambda ul: [f"ulysses: {p}" for p in ul["problems"]])
     if args.ops and st in ("all", "ops"):
         out["ops"] = sh = fused_ops_check(args.ops)
         if sh.get("skipped"):
@@ -728,13 +729,7 @@ def main(argv=None):
             print(f"FAIL fused ops world: {f}", flush=True)
         save()
     if st in ("all", "workspace"):
-        try:
-            out["workspace"] = wcheck = workspace_check(dev)
-            print(f"workspace ({wcheck['backend']}): {wcheck}", flush=True)
-        except Exception as e:
-            out["errors"].append(f"workspace: {type(e).__name__}: {e}")
-            print(f"FAIL workspace\n{traceback.format_exc()}", flush=True)
-        save()
+        part("workspace", "workspace", lambda: workspace_check(dev), label=lambda w: f"workspace ({w['backend']})")
     rows = out["rows"]
     print(f"\ndevice: {env['device']}, torch {env['torch']}, triton {env['triton']}, bf16, world {world} emulated")
     print(f"{'kernel':16} {'M':>6} {'K':>6} {'N':>6} {'fused TF/s':>10} {'mm TF/s':>8} {'fused/mm':>8} "

@@ -379,7 +379,7 @@ def pipeline_stages(p: Pipeline):
             a, b = ops.val(n.args[0]), ops.val(n.args[1])
             if p.kinds[n] == "row":  # (R, K) x (K, N) or grouped (R, K) x (G, K, N)
                 flops += 2 * rows * num(a.shape[-1]) * num(b.shape[-1])
-                index = n.args[3] if n.target is LOOP_GROUPED_MM and len(n.args) > 3 else None
+                index = ops.arg(n, "index") if n.target is LOOP_GROUPED_MM else None
                 groups = len(index) if index else num(b.shape[0]) if n.target in GROUPED else 1
                 per_call_rows = min(per_call_rows, max(1, rows // groups))
             else:  # weight gradient, whole after the chunks: (K, R) x (R, N)
