@@ -745,6 +745,24 @@ def assemble(b: Builder, pieces: list[Node], sizes: list[int], axis: Axis, shape
     return b.view(b.cat(parts, axis.dim + 1), shape)
 
 
+_VIEWS = (ops.aten.view.default, ops.aten._unsafe_view.default)
+
+
+def _viewable(x: Node, shape) -> bool:
+    """Whether ``x`` can be viewed as ``shape`` without a copy. A chunk is a narrow of the
+    whole tensor: where the original view merged a dim the chunk cuts with one it does not
+    (the experts of a [world, local, ...] buffer, cut along local), the chunk's strides may
+    no longer merge even though the whole tensor's did."""
+    v = ops.val(x)
+    if v is None:
+        return False
+    try:
+        v.view(shape)
+    except (RuntimeError, ValueError):  # fake tensors raise ValueError, real ones RuntimeError
+        return False
+    return True
+
+
 def contiguous(b: Builder, x: Node) -> Node:
     v = ops.val(x)
     return x if v is not None and v.is_contiguous() else b.contiguous(x)
@@ -792,6 +810,8 @@ def _replay(b: Builder, region: Region, sizes: list[int], marks: list | None) ->
             if st.shape_arg is not None:
                 pos, shape = st.shape_arg
                 args[pos] = st.axis.resized(shape, n)
+                if node.target in _VIEWS and not _viewable(args[0], args[pos]):
+                    args[0] = b.contiguous(args[0])
             if node.target is ops.aten.split.Tensor:
                 d = _norm(args[2] if len(args) > 2 else node.kwargs.get("dim", 0), len(static_shape(node.args[0])))
                 if d == st.axis.dim:  # each piece keeps whole blocks of the axis: fewer per chunk
@@ -819,8 +839,7 @@ def substitute(b: Builder, region: Region, sizes: list[int], marks: list | None 
     try:
         pieces = replay(b, region, sizes, marks)
     except Exception:
-        for n in reversed(b.created):
-            b.graph.erase_node(n)
+        b.erase_created()
         raise
     for node in region.whole:
         node.replace_all_uses_with(assemble(b, [p[node] for p in pieces], sizes, region.axes[node], static_shape(node)))

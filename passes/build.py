@@ -39,8 +39,11 @@ class Builder:
 
     def call(self, op, *args, **kwargs) -> Node:
         args, kwargs = pytree.tree_map_only(torch.SymInt, self.sym, (args, kwargs))
+        # The op runs on fake values before its node exists: an op that refuses its inputs
+        # leaves nothing behind that a caller's clean-up (erasing ``created``) would miss.
+        val = self._fake_run(op, args, kwargs)
         node = self.graph.call_function(op, tuple(args), kwargs)
-        node.meta["val"] = self._fake_run(op, args, kwargs)
+        node.meta["val"] = val
         if self.like is not None:
             for k in _INHERITED:
                 if k in self.like.meta:
@@ -105,6 +108,13 @@ class Builder:
 
     def view(self, x: Node, shape) -> Node:
         return self.call(ops.aten.view.default, x, list(shape))
+
+    def erase_created(self) -> None:
+        """Erase every node this builder made, users first (a failed rewrite's clean-up)."""
+        for n in reversed(self.created):
+            self.graph.erase_node(n)
+        self.created.clear()
+        self._sym_nodes = None  # its size nodes may have been among them
 
     def reshape(self, x: Node, shape) -> Node:
         return self.call(ops.aten.reshape.default, x, list(shape))
