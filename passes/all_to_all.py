@@ -195,8 +195,9 @@ def chunk_extent(site) -> int:
 
 
 def _sites_of(coll: Node) -> list:
-    s = coll.meta.get(SITE)
-    return [s] if s is not None else []
+    """The matched sites of a collective: one all-to-all can be both a consumer site
+    (all_to_all_matmul) and a producer site (matmul_all_to_all)."""
+    return coll.meta.get(SITE, [])
 
 
 RUNTIME_EXTENT = 1 << 30
@@ -473,8 +474,7 @@ def rewrite(site, chunks: int) -> None:
         return dropless.rewrite(site, chunks, _sites_of)
 
     def may_chain(coll):
-        other = coll.meta.get(SITE)
-        return coll is site.coll or (other is not None and other.status == "planned")
+        return coll is site.coll or any(o.status == "planned" for o in _sites_of(coll))
 
     region = best_region(site, may_chain)
     if region is None:  # planned only as part of a region whose own site was not rewritten
@@ -498,12 +498,21 @@ def rewrite(site, chunks: int) -> None:
             site.reason = f"chunked replay of the region failed ({type(e).__name__}: {str(e)[:200]}); left unchanged"
             return False
 
+    in_region = set(region.matmuls) | set(region.deferred)
+
     def chained(coll):
-        other = coll.meta.get(SITE)
-        if other is not None and other is not site:
-            other.status, other.strategy, other.chunks = "rewritten", "decompose", chunks
-            other.details.update(axis=site.details["axis"], chained_from=site.name)
-            other.details.pop("chained", None)
+        # Every site of a collective the region takes in is rewritten with it: the
+        # collective's chunks travel under the region's compute. Its matmuls that the
+        # region does not take in (e.g. a bf16 output projection, whose sum over the heads
+        # runs whole) read the tensor rebuilt from the chunks: the report names them.
+        for other in _sites_of(coll):
+            if other is not site:
+                other.status, other.strategy, other.chunks = "rewritten", "decompose", chunks
+                other.details.update(axis=site.details["axis"], chained_from=site.name)
+                other.details.pop("chained", None)
+                whole = [m.name for m in other.matmuls if m not in in_region]
+                if whole:
+                    other.details["matmuls_after_whole"] = whole
     retire_region(graph, region, anchors, pieces[-1], chained)
     _one_at_a_time(comm_first, pieces)
     site.details["chunk_sizes"] = sizes

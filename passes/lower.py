@@ -44,7 +44,8 @@ def lower_sites(graph: Graph, sites: list[MatchedSite]) -> int:
     """Rewrite every planned site; returns how many were rewritten."""
     done = 0
     for site in sites:
-        site.coll.meta[a2a.SITE] = site  # lets a rewrite chain a later planned site into its own
+        # lets a rewrite chain a later planned site into its own
+        site.coll.meta.setdefault(a2a.SITE, []).append(site)
     for site in sites:
         if site.status != "planned":
             continue
