@@ -53,6 +53,11 @@ class MoEConfig:
     or "loop" (dropless form)."""
     form: str = "capacity"
     """"capacity" (padded slots, even all-to-alls) or "dropless" (uneven, run-time splits)."""
+    dispatch: str = "index"
+    """Capacity form only: how tokens are packed into expert slots and back. "index"
+    (index_add into the slots, gather back) or "einsum" (GShard: a (tokens, experts, slots)
+    dispatch mask, ``einsum("tec,td->ecd")``, and its combine mask weighted by the gates,
+    ``einsum("tec,ecd->td")``). The two drop the same tokens and compute the same layer."""
     skew: float = 0.0
     """Router logit bias: +skew for expert 0, -skew for the upper half of the experts.
     Large values send most tokens to expert 0 (over capacity: dropped) and none to the
@@ -68,6 +73,10 @@ class MoEConfig:
         if self.expert_form not in allowed:
             raise ValueError(f"MoEConfig.expert_form={self.expert_form!r} with form={self.form!r}; "
                              f"allowed: {', '.join(map(repr, allowed))}")
+        if self.dispatch not in ("index", "einsum"):
+            raise ValueError(f"MoEConfig.dispatch={self.dispatch!r}; allowed: 'index', 'einsum'")
+        if self.dispatch == "einsum" and self.form != "capacity":
+            raise ValueError("MoEConfig.dispatch='einsum' needs form='capacity' (dropless routing has no slots)")
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"MoEConfig.top_k={self.top_k} must be in 1..n_experts={self.n_experts}")
 
@@ -153,21 +162,41 @@ class MoE(nn.Module):
         onehot = F.one_hot(expert.reshape(-1), cfg.n_experts)                  # (t*k, E)
         pos = ((torch.cumsum(onehot, 0) - 1) * onehot).sum(-1)                # (t*k,)
         keep = pos < cap
+        if cfg.dispatch == "einsum":
+            return self._forward_einsum(x, gate, onehot, pos, keep, cap)
         slot = torch.where(keep, expert.reshape(-1) * cap + pos, torch.full_like(pos, cfg.n_experts * cap))
         tok = torch.arange(t, device=x.device).repeat_interleave(cfg.top_k)
         # One spare row collects dropped tokens and is cut off.
         packed = x.new_zeros(cfg.n_experts * cap + 1, d).index_add(0, slot, x[tok])
         packed = packed[: cfg.n_experts * cap]                                  # (E*cap, d) by expert
-        # Dispatch: rank r receives, from every rank, the slots of r's local experts.
-        recv = self._all_to_all(packed)                                        # (ep*n_local*cap, d)
-        recv = recv.view(self.ep, self.n_local, cap, d).transpose(0, 1).reshape(self.n_local, self.ep * cap, d)
-        out = self._experts(recv)
-        out = out.view(self.n_local, self.ep, cap, d).transpose(0, 1).reshape(self.ep * self.n_local * cap, d)
-        # Combine: the results go back to the ranks the tokens came from.
-        back = self._all_to_all(out)                                           # (E*cap, d) by expert
+        out = self._exchange(packed, cap)
+        back = out.reshape(cfg.n_experts * cap, d)
         back = torch.cat([back, back.new_zeros(1, d)])
         y = back[slot] * (gate.reshape(-1, 1) * keep.unsqueeze(1).to(x.dtype))
         return y.view(t, cfg.top_k, d).sum(1)
+
+    def _exchange(self, packed, cap):
+        """packed: the slots of every expert, (E * cap, d) or (E, cap, d), by global expert ->
+        the experts' outputs for them, same shape: dispatch all-to-all, local experts,
+        combine all-to-all."""
+        d = packed.shape[-1]
+        # Dispatch: rank r receives, from every rank, the slots of r's local experts.
+        recv = self._all_to_all(packed.contiguous())
+        recv = recv.reshape(self.ep, self.n_local, cap, d).transpose(0, 1).reshape(self.n_local, self.ep * cap, d)
+        out = self._experts(recv)
+        out = out.reshape(self.n_local, self.ep, cap, d).transpose(0, 1).reshape(packed.shape)
+        # Combine: the results go back to the ranks the tokens came from.
+        return self._all_to_all(out.contiguous())
+
+    def _forward_einsum(self, x, gate, onehot, pos, keep, cap):
+        """GShard's dispatch and combine: one-hot (token, expert, slot) masks and einsums."""
+        t, k, n_e = x.shape[0], self.cfg.top_k, self.cfg.n_experts
+        chosen = (onehot * keep.unsqueeze(1)).to(x.dtype).view(t, k, n_e)     # (t, k, E): kept choices
+        at = F.one_hot(pos.clamp(0, cap - 1), cap).to(x.dtype).view(t, k, 1, cap)
+        dispatch = (chosen.unsqueeze(-1) * at).sum(1)                         # (t, E, cap)
+        combine = ((gate.unsqueeze(-1) * chosen).unsqueeze(-1) * at).sum(1)    # (t, E, cap), gate-weighted
+        xe = torch.einsum("tec,td->ecd", dispatch, x)                          # (E, cap, d)
+        return torch.einsum("tec,ecd->td", combine, self._exchange(xe, cap))
 
     def _dropless_loop(self, recv, counts_recv):
         """The experts as a Python loop over the (source rank, local expert) groups of the

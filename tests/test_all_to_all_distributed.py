@@ -63,7 +63,7 @@ def moe_job(config: dict, routings: list) -> dict:
     dropless = config.get("dropless", config["form"] == "grouped" and not config.get("capacity"))
     cfg = dict(n_experts=config.get("n_experts", 8), dim=32, hidden=48, top_k=config["top_k"],
                expert_form=config["form"], capacity_factor=config.get("capacity_factor", 2.0),
-               form="dropless" if dropless else "capacity")
+               form="dropless" if dropless else "capacity", dispatch=config.get("dispatch", "index"))
     if key not in _COMPILED:
         # Every config compiles MoE.forward again (one dynamo cache per code object): keep
         # dynamo from falling back to eager after its default 8 recompiles.
@@ -115,7 +115,8 @@ def moe_job(config: dict, routings: list) -> dict:
 
 
 def _check_sites(result, chunks):
-    """All four sites rewritten. Forward chunks the capacity slots as asked; backward may
+    """Every site rewritten (both patterns, forward and backward; the einsum form's
+    all-to-alls are each both a consumer and a producer site), none skipped. Forward chunks the capacity slots as asked; backward may
     pick the expert axis instead (the cost model's choice, passes/plan.predict_region),
     which has only n_experts / world values: chunks clamped to that."""
     sites = result["sites"]
@@ -137,6 +138,11 @@ CASES = [
 ]
 ROUTINGS = [("uniform", 1), ("skewed", 2), ("3.0", 3)]
 
+# GShard's einsum dispatch and combine, with a reshape/transpose around each all-to-all
+# (models/moe.py, dispatch="einsum"): at chunk counts that do not divide the local experts,
+# a chunk's view of the einsum's operand is not a view of the whole one (issue 38).
+EINSUM_CHUNKS = {"world2": [2, 3, 4, 8], "world4": [2, 3, 4, 8]}
+
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_name", ["world2", "world4"])
@@ -151,6 +157,27 @@ def test_moe_matches_eager(world_name, request):
         skewed = results[0]["loads"][1]
         assert skewed[0] == 32 and sum(skewed[4:]) == 0, skewed
         print(f"\n{world_name} {case}: max |err| {max(r['max_abs_err'] for r in results):.3g}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_name", ["world2", "world4"])
+def test_moe_einsum_dispatch_matches_eager(world_name, request):
+    world = request.getfixturevalue(world_name)
+    for chunks in EINSUM_CHUNKS[world_name]:
+        case = dict(form="bmm", dispatch="einsum", top_k=2, dtype="fp32", chunks=chunks, capacity_factor=1.25)
+        for r in world.run(moe_job, case, ROUTINGS[:2]):
+            _check_sites(r, chunks)
+
+
+@pytest.mark.distributed
+@pytest.mark.extended
+def test_moe_einsum_dispatch_inductor(world2):
+    """The same layer on inductor's post-grad graphs, at a count that does not divide the
+    local experts."""
+    case = dict(form="bmm", dispatch="einsum", top_k=2, dtype="fp32", chunks=3, capacity_factor=1.25,
+                inner="inductor")
+    for r in world2.run(moe_job, case, ROUTINGS[:2]):
+        _check_sites(r, 3)
 
 
 # Dropless form: uneven all-to-alls with run-time splits, experts as grouped matmuls over
@@ -187,6 +214,19 @@ def _check_dropless(result, config, routings):
     assert result["tail"] == [3], result["tail"]
     if config["form"] == "loop":  # regrouped before AOTAutograd: once, for both graphs
         assert result["expert_loops"] == [("forward", "rewritten", None)], result["expert_loops"]
+
+
+@pytest.mark.distributed
+@pytest.mark.extended
+@pytest.mark.parametrize("form", ["grouped", "loop"])
+def test_moe_dropless_chunk_sweep(world4, form):
+    """The chunk counts up to 2 x world that DROPLESS_CASES leave out (5, 6, 7: neither
+    divisors of the rows nor of the groups), both expert forms (tests/test_region_sweep.py
+    sweeps the forms that trace on fake tensors)."""
+    for chunks in (5, 6, 7):
+        case = dict(form=form, dropless=True, top_k=2, dtype="bf16", chunks=chunks)
+        for r in world4.run(moe_job, case, ROUTINGS[:2]):
+            _check_dropless(r, case, ROUTINGS[:2])
 
 
 @pytest.mark.distributed
@@ -385,11 +425,13 @@ from hypothesis import strategies as st  # noqa: E402
 
 @st.composite
 def random_routing_case(draw):
-    form = draw(st.sampled_from(["bmm", "loop", "grouped", "dropless loop"]))
+    form = draw(st.sampled_from(["bmm", "loop", "grouped", "dropless loop", "einsum bmm", "einsum loop"]))
     case = dict(form=form.split()[-1], top_k=draw(st.integers(1, 2)), dtype="bf16" if form == "grouped" else "fp32",
                 chunks=draw(st.sampled_from([2, 3, 4, 8])))
     if form == "dropless loop":
         case["dropless"] = True
+    if form.startswith("einsum"):
+        case["dispatch"] = "einsum"
     routings = [(draw(st.sampled_from(["uniform", "skewed", "1.0", "5.0", "20.0"])), draw(st.integers(0, 10**6)))
                 for _ in range(2)]
     return case, routings
