@@ -42,7 +42,9 @@ def capture(fn: Callable | torch.nn.Module, *args, options: dict | Options | Non
     if not callable(fn):
         raise OverlapError(f"explain() takes a module or a function; got {type(fn).__name__}")
     report = Report()
-    backend = Backend(dataclasses.replace(opts, inner="eager"), report, keep_graphs=True, verify_plans=False)
+    # no collective runs: neither plan agreement nor measuring the live group
+    backend = Backend(dataclasses.replace(opts, inner="eager", measure=False), report, keep_graphs=True,
+                      verify_plans=False)
     module = fn if isinstance(fn, torch.nn.Module) else None
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
 

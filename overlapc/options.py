@@ -44,6 +44,10 @@ class Options:
     hardware: str | None = None
     """Cost-model profile: "cpu-local" (``overlapc calibrate``), "cpu-default", "h100-nvlink", "h200-nvlink",
     "ib-400g", or the path of a profile JSON file; None: the profile of the machine this runs on."""
+    measure: bool = True
+    """Where ``hardware`` is None: time the graph's collectives on the live process group when it is
+    compiled (every rank together, cached), so the planner prices the user's own network. See
+    overlapc/runtime/live.py."""
     timeout: float = 300.0
     """Seconds a fused op may wait for its peers before it raises an error naming the op (strategy "fuse")."""
     mode: str | None = None
@@ -59,7 +63,7 @@ class Options:
                 self.microbatches, int) or self.microbatches < 1):
             raise OverlapError(f"option 'microbatches' must be an int >= 1 (1: off) or \"auto\"; "
                                f"got {self.microbatches!r}")
-        for name in ("schedule", "addmm_partials"):
+        for name in ("schedule", "addmm_partials", "measure"):
             if not isinstance(getattr(self, name), bool):
                 raise OverlapError(f"option {name!r} must be True or False; got {getattr(self, name)!r}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout <= 0:

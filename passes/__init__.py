@@ -16,7 +16,7 @@ from .lower import lower_sites
 from .match import find_sites
 from .microbatch import SLICED, choose_slices, report_rows, split_microbatches
 from .normalize import normalize
-from .plan import plan_sites
+from .plan import graph_profile, plan_sites
 from .schedule import legalize, schedule
 
 
@@ -24,9 +24,10 @@ def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None) -
     """Run the pipeline on one captured graph in place; return its report rows in graph order."""
     options = options or Options()
     normalize(gm)
+    profile = graph_profile(gm.graph, graph_kind, options)
     slices, view = options.microbatches, None
     if slices == "auto":
-        slices, view = choose_slices(gm.graph, graph_kind, options)
+        slices, view = choose_slices(gm.graph, graph_kind, options, profile)
     cuts = report_rows(split_microbatches(gm.graph, slices), graph_kind, slices, view) if slices > 1 else []
     sliced = any(r.status == "rewritten" for r in cuts)
     if sliced:
@@ -38,7 +39,7 @@ def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None) -
         s.snapshot()
     # Slices the planner chose are priced alone: the sites inside them stay whole.
     held = [s for s in sites if view and sliced and s.coll.meta.get(SLICED)]
-    plan_sites([s for s in sites if s not in held], options, deps)
+    plan_sites([s for s in sites if s not in held], options, deps, profile)
     for s in held:
         s.status, s.strategy, s.chunks = "skipped", None, None
         s.reason = ("inside the micro-batch slices microbatches='auto' chose (priced as slices alone; "

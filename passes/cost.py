@@ -135,6 +135,24 @@ class Profile:
     curves: dict = field(default_factory=dict)  # collective kind -> ((input bytes per rank, s), ...):
                                                 # measured times, used instead of alpha-beta ...
     curves_world: int | None = None             # ... for groups of this many ranks only
+    world_curves: dict = field(default_factory=dict)  # group size -> {kind -> points}: measured on the live
+                                                      # group when a graph is compiled (overlapc/runtime/live.py);
+                                                      # read before ``curves``
+    provenance: dict = field(default_factory=dict)  # (kind, group size) -> "measured" or "cached"
+
+    def curve(self, kind: str, world: int):
+        """The measured (bytes, s) points for ``kind`` over ``world`` ranks, or None."""
+        live = self.world_curves.get(world, {}).get(kind)
+        if live:
+            return live
+        return self.curves.get(kind) if world == self.curves_world else None
+
+    def numbers_from(self, kind: str, world: int) -> str:
+        """Where a collective's time comes from: "measured" or "cached" (the live group),
+        "profile" (the profile's measured curve), or "modelled" (its link formula)."""
+        if (kind, world) in self.provenance:
+            return self.provenance[(kind, world)]
+        return "profile" if self.curve(kind, world) else "modelled"
 
     def gemm_for(self, dtype: str) -> Gemm:
         return self.gemm.get(dtype) or self.gemm.get("float32") or next(iter(self.gemm.values()))
@@ -240,8 +258,9 @@ def t_comm(kind: str, nbytes, world: int, p: Profile):
     if W <= 1:
         return sympy.Integer(0)
     step = (W - 1) * a
-    if kind in p.curves and W == p.curves_world and B.is_number:
-        return sympy.Float(_on_curve(p.curves[kind], float(B), float(step)))
+    points = p.curve(kind, W) if B.is_number else None
+    if points:
+        return sympy.Float(_on_curve(points, float(B), float(step)))
     if kind == "all_gather":
         return step + (W - 1) * B / b
     frac = sympy.Rational(W - 1, W) * B / b
@@ -262,8 +281,9 @@ def t_link(kind: str, nbytes, world: int, p: Profile):
     rate the kind's measured curve reaches (what a transfer takes beyond it is latency and a
     connection's inefficiency on big messages), or the formula's bandwidth term."""
     B = sympy.sympify(nbytes)
-    if kind in p.curves and world == p.curves_world and B.is_number:
-        return sympy.Float(float(B) * min(t / b for b, t in p.curves[kind]))
+    points = p.curve(kind, world) if B.is_number else None
+    if points:
+        return sympy.Float(float(B) * min(t / b for b, t in points))
     return t_comm(kind, B, world, p) - t_comm(kind, 0, world, p)
 
 

@@ -87,7 +87,7 @@ def split_microbatches(graph: Graph, n: int) -> list[dict]:
         done.append(info)
 
 
-def choose_slices(graph: Graph, graph_kind: str, options) -> tuple[int, dict | None]:
+def choose_slices(graph: Graph, graph_kind: str, options, profile=None) -> tuple[int, dict | None]:
     """``microbatches="auto"``: the number of slices to cut (1: none), and the cost model's
     view of the choice (None where the graph has no region to cut).
 
@@ -114,7 +114,7 @@ def choose_slices(graph: Graph, graph_kind: str, options) -> tuple[int, dict | N
         return 1, None
     in_regions = {c for _, _, r in regions for c in r.collectives}
     names = sorted(c.name for c in in_regions)
-    profile = cost.load_profile(options.hardware)
+    profile = profile or cost.load_profile(options.hardware)
     preds = []
     for coll, a, region in regions:
         got = region_stages(region)
@@ -129,7 +129,7 @@ def choose_slices(graph: Graph, graph_kind: str, options) -> tuple[int, dict | N
     base = sum(p.base for p in preds)
     n = pick_count({c: sum(p.per_chunks[c] for p in preds) for c in counts})
     sliced = sum(p.per_chunks[n] for p in preds)
-    rows_saving = _row_chunk_saving(graph, graph_kind, options, in_regions)
+    rows_saving = _row_chunk_saving(graph, graph_kind, options, in_regions, profile)
     view = {"profile": profile.name, "slices": n, "regions": len(regions), "base_ms": round(base * 1e3, 4),
             "sliced_ms": round(sliced * 1e3, 4), "row_chunks_saving_ms": round(rows_saving * 1e3, 4),
             "collectives": names}
@@ -143,7 +143,7 @@ def choose_slices(graph: Graph, graph_kind: str, options) -> tuple[int, dict | N
     return 1, view
 
 
-def _row_chunk_saving(graph: Graph, graph_kind: str, options, colls: set[Node]) -> float:
+def _row_chunk_saving(graph: Graph, graph_kind: str, options, colls: set[Node], profile) -> float:
     """Seconds the row-chunked sites of ``colls`` are predicted to save as the planner plans
     them: the graph's modelled sites go through passes/plan.plan_sites (strategy, min_bytes,
     the rule's checks, ``min_gain`` under "auto", one count for sites that can chain), and
@@ -156,7 +156,7 @@ def _row_chunk_saving(graph: Graph, graph_kind: str, options, colls: set[Node]) 
     # Modelled sites only: the all-to-all rules' checks record regions and pipelines in
     # node.meta, which the real plan, later, would find left by these throwaway sites.
     sites = [s for s in find_sites(graph, graph_kind, deps)[0] if s.pattern in MODELLED]
-    plan_sites(sites, options, deps)
+    plan_sites(sites, options, deps, profile)
     saving = 0.0
     for s in sites:
         pred = s.details.get("predicted")

@@ -153,8 +153,20 @@ def _nbytes(v) -> int:
     return 0 if n is None else n * v.element_size()
 
 
-def plan_sites(sites: list[MatchedSite], options: Options, deps: DepGraph) -> None:
-    profile = cost.load_profile(options.hardware) if sites else None
+def graph_profile(graph, graph_kind: str, options: Options) -> cost.Profile | None:
+    """The profile a graph is planned with: ``options.hardware``'s (None: this machine's),
+    with the times of the graph's collectives measured on their live groups where
+    ``options.measure`` allows (overlapc/runtime/live.py). None where nothing is planned."""
+    if options.strategy == "none" and not options.overrides:
+        return None
+    from overlapc.runtime import live
+
+    return live.measured_profile(graph, cost.load_profile(options.hardware), options, graph_kind)
+
+
+def plan_sites(sites: list[MatchedSite], options: Options, deps: DepGraph, profile: cost.Profile | None = None) -> None:
+    if profile is None and sites:
+        profile = cost.load_profile(options.hardware)
     _plan_each(sites, options, deps, profile)
     _agree_on_chunks(sites, options, profile)
     for s in sites:
@@ -265,7 +277,9 @@ def _plan_each(sites: list[MatchedSite], options: Options, deps: DepGraph, profi
         else:
             pred = None
         if pred is not None:
-            site.details["predicted"] = {"profile": profile.name, **pred.to_dict(), "bytes": nbytes,
+            kind = ops.COST_KIND.get(site.coll.target)
+            site.details["predicted"] = {"profile": profile.name, "numbers": profile.numbers_from(kind, site.world),
+                                         **pred.to_dict(), "bytes": nbytes,
                                          "flops": pred.flops, "dtype": pred.dtype, "copy_bytes": pred.copy_bytes}
             if strategy == "auto" and _fuse_pays(site, pred, profile, deps):
                 _plan_fused(site, chunks, options)

@@ -10,6 +10,11 @@ import torch.distributed as dist
 # Tests compile many small graphs; keep each process to one intra-op thread.
 torch.set_num_threads(1)
 
+# Hermetic: no calibrated profile or live-group measurements of this machine's own runs
+# (~/.cache/overlapc) decide a test's plans. Set before overlapc is imported and before any
+# world is spawned (workers inherit it).
+os.environ["OVERLAPC_CACHE"] = __import__("tempfile").mkdtemp(prefix="overlapc-test-cache-")
+
 
 @pytest.fixture(scope="session")
 def fake_mesh8():
@@ -45,3 +50,4 @@ def pytest_sessionfinish(session, exitstatus):
     for w in _WORLDS.values():
         w.close()
     _WORLDS.clear()
+    __import__("shutil").rmtree(os.environ["OVERLAPC_CACHE"], ignore_errors=True)

@@ -1,0 +1,332 @@
+"""Measure the live process group when a graph is compiled, so the planner prices the
+user's own network instead of a profile's guess.
+
+A graph's collectives are priced by the cost model (passes/cost.t_comm) from a profile's
+link numbers; on a link unlike the profile's (a 60 Mbit/s one priced as loopback), every
+decision is wrong. So, where ``hardware`` is not given and ``measure`` is on, compiling a
+graph that holds collectives times each of its collective kinds on the group it runs on,
+at the sizes its plans can issue (the whole collective and its 2-, 4- and 8-way chunks),
+and the planner reads those times as the profile's curves for groups of that size.
+
+Every rank of the group takes part in the same measurements in the same order:
+
+1. the ranks exchange what they need measured through the c10d store (as plan agreement
+   does, overlapc/agree.py): a rank that compiles another graph gets an ``OverlapError``
+   naming the difference, and a rank that never arrives is the store's timeout, not a hang;
+2. the measurements run on a process group of their own (same ranks and backend), never
+   on the program's group, which may have collectives in flight;
+3. each time is the slowest rank's, so every rank holds the same numbers and plans alike.
+
+Times are cached per (backend, ranks, hosts, kind, dtype, elements), in memory and in
+``$OVERLAPC_CACHE/live/`` (rank 0's file is the one read, and its numbers are sent to the
+others): a recompile, a later shape bucket or the next run measures nothing it has. A
+corrupt cache file is ignored with a warning.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+import warnings
+from datetime import timedelta
+
+import torch
+
+log = logging.getLogger("overlapc")
+
+CHUNK_DIVISORS = (1, 2, 4, 8)
+"""Sizes measured per collective: the whole, and the chunks of 2, 4 and 8 (the planner's
+counts in between read the curve between them)."""
+BUDGET_S = 2.0
+"""Seconds of measurement per compiled graph; sizes left when it is spent are priced by the
+model (the curve's last segment extended, or the profile's link)."""
+REPS = 3
+"""Timed runs per size after a warm-up (one where a run takes longer than ``SLOW_S``)."""
+SLOW_S = 0.05
+MERGE = 0.15
+"""Sizes within this fraction of one already requested are measured once."""
+
+_MEMO: dict[tuple, float] = {}
+"""(backend, ranks, hosts, kind, dtype, elements) -> seconds: this process's measurements."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Need:
+    """One collective to time: ``kind`` over the group, ``numel`` elements of ``dtype`` per rank."""
+    kind: str
+    dtype: str
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * getattr(torch, self.dtype).itemsize
+
+
+def needs_of(graph) -> dict[str, list[Need]]:
+    """Per process-group name, the collectives to time for the graph's collectives: every
+    kind at each collective's size and its chunks' sizes, merged where within ``MERGE``."""
+    from overlapc.passes import ops
+    from overlapc.passes.axis import even_splits
+
+    out: dict[str, list[Need]] = {}
+    for node in graph.nodes:
+        kind = ops.COST_KIND.get(node.target)
+        v = ops.val(node.args[0]) if kind else None
+        name, world = (ops.group_name(node), ops.world_size(node)) if kind else (None, None)
+        numel = ops.hint(v.numel()) if v is not None else None
+        if kind is None or name is None or not world or not numel:
+            continue
+        if kind == "all_to_all" and not even_splits(node):
+            continue  # each rank sends its own rows (dropless pipelines: priced by the model)
+        unit = world if kind in ("reduce_scatter", "all_to_all") else 1  # inputs split across the ranks
+        have = out.setdefault(name, [])
+        for d in CHUNK_DIVISORS:
+            n = max(unit, numel // d // unit * unit)
+            need = Need(kind, ops.dtype_name(v), n)
+            if not any(h.kind == kind and h.dtype == need.dtype and abs(h.numel - n) <= MERGE * n for h in have):
+                have.append(need)
+    for have in out.values():  # largest first: the whole collectives matter most if the budget runs out
+        have.sort(key=lambda n: (-n.nbytes, n.kind, n.dtype))
+    return out
+
+
+def measured_profile(graph, base, options, graph_kind: str = ""):
+    """``base`` with curves measured on the live groups of ``graph``'s collectives (where
+    ``options.measure`` is on, ``options.hardware`` is not set and the group communicates);
+    ``base`` itself where nothing is measured."""
+    import torch.distributed as dist
+
+    if not options.measure or options.hardware is not None or not dist.is_available() or not dist.is_initialized():
+        return base
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    curves: dict[int, dict[str, list]] = {}
+    sources: dict[tuple, str] = {}
+    t0, counts = time.perf_counter(), {"measured": 0, "cached": 0}
+    for name, needs in sorted(needs_of(graph).items()):
+        try:
+            pg = _resolve_process_group(name)
+        except (ValueError, RuntimeError, KeyError):
+            continue
+        if dist.get_backend(pg) in ("fake",):
+            continue
+        world = dist.get_world_size(pg)
+        # Compilers call the passes under their fake (and tracing) modes: the measurements
+        # are real tensors and real collectives.
+        from torch.utils._python_dispatch import _disable_current_modes
+        with _disable_current_modes():
+            times, source = _measure_group(pg, name, needs, options, graph_kind)
+        for need, (t, how) in times.items():
+            curves.setdefault(world, {}).setdefault(need.kind, []).append((need.nbytes, t))
+            counts[how] += 1
+        for kind, src in source.items():
+            sources[(kind, world)] = src
+    if not curves:
+        return base
+    from overlapc.passes.cost import _monotone
+
+    # Two groups of one size (a 2-D mesh's TP and DP groups) share the curves: per size, the
+    # upper envelope of their points (a group's own curve would need the group in the model).
+    merged = {w: {k: _monotone(v) for k, v in kinds.items()} for w, kinds in curves.items()}
+    note = (f"; the graph's collectives timed on the live group(s): {counts['measured']} size(s) measured, "
+            f"{counts['cached']} cached, {time.perf_counter() - t0:.2f} s")
+    return dataclasses.replace(base, name=f"{base.name}+measured", source=base.source + note,
+                               world_curves={**base.world_curves, **merged}, provenance={**base.provenance, **sources})
+
+
+def _measure_group(pg, name: str, needs: list[Need], options, graph_kind: str):
+    """({need: (seconds, "measured" or "cached")}, {kind: "measured" or "cached"}) for one
+    group, the same on all its ranks."""
+    import torch.distributed as dist
+
+    from overlapc.agree import _exchange
+    from overlapc.errors import OverlapError
+
+    backend = str(dist.get_backend(pg))
+    ranks = dist.get_process_group_ranks(pg)
+    request = [dataclasses.astuple(n) for n in needs]
+    mine = {"request": request, "host": socket.gethostname()}
+    got = _exchange(f"live/{name}", ranks, mine)
+    for rank, theirs in zip(ranks, got):
+        if theirs["request"] != request:
+            raise OverlapError(
+                f"ranks compiled different {graph_kind or 'graphs'} with collectives on group {name!r}: rank "
+                f"{dist.get_rank()} would measure {_brief(request)}, rank {rank} {_brief(theirs['request'])}. "
+                "Every rank of a group must compile the same graph with the same input shapes.")
+    key = (backend, tuple(ranks), tuple(g["host"] for g in got))
+    on_rank0 = dist.get_rank() == ranks[0]
+    # Rank 0's numbers (memory, then its disk cache) are everyone's: a rank with a cache of
+    # its own must not measure less than the others (its collectives would have no peers).
+    known = {}
+    if on_rank0:
+        known = {n: _MEMO[key + dataclasses.astuple(n)] for n in needs if key + dataclasses.astuple(n) in _MEMO}
+        known.update({n: t for n, t in _load_disk(key).items() if n in needs and n not in known})
+    linked = (backend, tuple(ranks)) in _Link.GROUPS
+    shared = _exchange(f"live/{name}", ranks, {"known": [dataclasses.astuple(n) + (t,) for n, t in known.items()],
+                                               "nonce": os.urandom(8).hex(), "linked": linked})
+    if not all(g["linked"] for g in shared):  # a rank lost its link (a restarted worker): all make a new one
+        _Link.GROUPS.pop((backend, tuple(ranks)), None)
+    shared = shared[0]
+    known = {Need(*row[:3]): row[3] for row in shared["known"]}
+    times, source, spent = dict(known), {n.kind: "cached" for n in known}, 0.0
+    t0 = time.perf_counter()
+    link = None
+    for need in needs:
+        if need in times:
+            continue
+        if spent >= BUDGET_S:
+            break  # agreed: ``spent`` is a sum of agreed times
+        link = link or _Link.open(backend, ranks, shared["nonce"], options)
+        t = _time_collective(link, need)
+        times[need] = t
+        spent += t * (REPS + 1)
+        source[need.kind] = "measured"
+    for need, t in times.items():
+        _MEMO[key + dataclasses.astuple(need)] = t
+    if on_rank0 and len(times) > len(known):
+        _save_disk(key, times)
+    log.info("overlapc: measured %d collective size(s) on group %s in %.2f s (%d cached)",
+             len(times) - len(known), name, time.perf_counter() - t0, len(known))
+    return {n: (t, "cached" if n in known else "measured") for n, t in times.items()}, source
+
+
+def _brief(request) -> str:
+    return ", ".join(f"{k} {d} x{n}" for k, d, n in request[:4]) + (" ..." if len(request) > 4 else "")
+
+
+class _Link:
+    """The collectives a measurement runs, on a process group of its own: the program's
+    group may have collectives in flight (gloo corrupts its state when one of ours joins
+    them). On gloo, a backend object built on the default store under a prefix the ranks
+    agreed on (not ``new_group``, whose names repeat once groups are destroyed and made
+    again, so a new group can meet an old one's addresses in the store); elsewhere, a
+    group of the same ranks made once by those ranks."""
+
+    GROUPS: dict = {}
+    """(backend, ranks) -> the link, made once per process."""
+
+    def __init__(self, pg, gloo: bool, device: str):
+        self.pg, self.gloo, self.device = pg, gloo, device
+
+    @classmethod
+    def open(cls, backend: str, ranks: list[int], nonce: str, options) -> "_Link":
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        timeout = timedelta(seconds=min(float(options.timeout), 120.0))
+        key = (backend, tuple(ranks))
+        if key not in cls.GROUPS:
+            if backend == "gloo":
+                store = dist.PrefixStore(f"overlapc/live/{'_'.join(map(str, ranks))}/{nonce}", _get_default_store())
+                pg = dist.ProcessGroupGloo(store, ranks.index(dist.get_rank()), len(ranks), timeout)
+            else:
+                pg = dist.new_group(ranks, backend=backend, timeout=timeout, use_local_synchronization=True)
+            cls.GROUPS[key] = cls(pg, backend == "gloo", "cuda" if backend == "nccl" else "cpu")
+        return cls.GROUPS[key]
+
+    @property
+    def size(self) -> int:
+        import torch.distributed as dist
+
+        return self.pg.size() if self.gloo else dist.get_world_size(self.pg)
+
+    def barrier(self):
+        import torch.distributed as dist
+
+        self.pg.barrier(dist.BarrierOptions()).wait() if self.gloo else dist.barrier(self.pg)
+
+    def slowest(self, t: float) -> float:
+        """The largest ``t`` of all ranks, on every rank."""
+        import torch.distributed as dist
+
+        v = torch.tensor([t], dtype=torch.float64, device=self.device)
+        if self.gloo:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MAX
+            self.pg.allreduce([v], opts).wait()
+        else:
+            dist.all_reduce(v, dist.ReduceOp.MAX, group=self.pg)
+        return float(v.item())
+
+    def run(self, kind: str, out, x):
+        import torch.distributed as dist
+
+        if self.gloo:
+            work = {"all_gather": lambda: self.pg._allgather_base(out, x),
+                    "reduce_scatter": lambda: self.pg._reduce_scatter_base(out, x, dist.ReduceScatterOptions()),
+                    "all_reduce": lambda: self.pg.allreduce([x]),
+                    "all_to_all": lambda: self.pg.alltoall_base(out, x, [], [])}[kind]()
+            work.wait()
+            return
+        {"all_gather": lambda: dist.all_gather_into_tensor(out, x, group=self.pg),
+         "reduce_scatter": lambda: dist.reduce_scatter_tensor(out, x, group=self.pg),
+         "all_reduce": lambda: dist.all_reduce(x, group=self.pg),
+         "all_to_all": lambda: dist.all_to_all_single(out, x, group=self.pg)}[kind]()
+
+
+def collective_fn(link: _Link, need: Need):
+    """A callable that runs one collective of ``need`` on ``link`` (tests replace this with a
+    double that adds a delay in proportion to the bytes: a slow link without root)."""
+    dtype = getattr(torch, need.dtype)
+    x = torch.zeros(need.numel, dtype=dtype, device=link.device)
+    n_out = {"all_gather": link.size * need.numel, "reduce_scatter": need.numel // link.size}.get(need.kind, need.numel)
+    out = torch.empty(n_out, dtype=dtype, device=link.device)
+    return lambda: link.run(need.kind, out, x)
+
+
+def _time_collective(link: _Link, need: Need) -> float:
+    """Seconds of one collective of ``need``, the slowest rank's typical time (barrier before each run)."""
+    from overlapc.calibrate import _typical
+
+    run = collective_fn(link, need)
+
+    def once() -> float:
+        link.barrier()
+        t = time.perf_counter()
+        run()
+        if link.device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    first = link.slowest(once())  # also the warm-up: connections, allocations
+    reps = REPS if first < SLOW_S else 1
+    return link.slowest(_typical([once() for _ in range(reps)]))
+
+
+def _cache_file(key: tuple):
+    from overlapc.passes.cost import CACHE_DIR
+
+    backend, ranks, hosts = key
+    digest = hashlib.sha1(repr((ranks, hosts)).encode()).hexdigest()[:12]
+    return CACHE_DIR / "live" / f"{backend}-w{len(ranks)}-{digest}.json"
+
+
+def _load_disk(key: tuple) -> dict[Need, float]:
+    path = _cache_file(key)
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        return {Need(k, d, int(n)): float(t) for k, d, n, t in data["times"]}
+    except (ValueError, KeyError, TypeError) as e:
+        warnings.warn(f"overlapc: ignoring the corrupt measurement cache {path} ({type(e).__name__}: {e}); "
+                      "the group is measured again", stacklevel=2)
+        return {}
+
+
+def _save_disk(key: tuple, times: dict[Need, float]) -> None:
+    path = _cache_file(key)
+    old = {n: t for n, t in _load_disk(key).items() if n not in times} if path.is_file() else {}
+    rows = [[n.kind, n.dtype, n.numel, t] for n, t in {**old, **times}.items()]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"backend": key[0], "ranks": list(key[1]), "hosts": list(key[2]),
+                                   "times": rows}))
+        tmp.replace(path)
+    except OSError as e:  # a read-only home: the numbers still serve this process
+        log.warning("overlapc: could not write the measurement cache %s: %s", path, e)

@@ -1,0 +1,199 @@
+"""Measuring the live group at compile time (overlapc/runtime/live.py): decisions follow the
+link the group really has, numbers are agreed, cached and keyed, and a rank that compiles
+another graph fails clearly instead of hanging.
+
+No root needed: the link is a test double of the measurement's collectives (a barrier,
+then a sleep of latency + bytes / rate), so a "slow" and a "fast" link are exact.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from overlapc.runtime import live
+
+
+def _link(rate: float, latency: float = 50e-6):
+    """A replacement for live.collective_fn: every collective takes latency + the bytes a
+    rank receives / ``rate``, on every rank at once (a barrier first)."""
+    def collective_fn(link, need):
+        moved = need.nbytes * (link.size - 1) * (1 if need.kind == "all_gather" else 1 / link.size)
+
+        def run():
+            import time
+
+            link.barrier()
+            time.sleep(latency + moved / rate)
+        calls.append(need)
+        return run
+    calls: list = []
+    return collective_fn, calls
+
+
+class _Patched:
+    """In a worker: the link double, a cache directory of the test's own and an empty memo;
+    all put back on exit (the worker serves later tests)."""
+
+    def __init__(self, rate: float, cache_dir: str | None = None):
+        self.rate, self.cache_dir = rate, cache_dir
+
+    def __enter__(self):
+        from pathlib import Path
+
+        from overlapc.passes import cost
+
+        self.saved = (live.collective_fn, cost.CACHE_DIR)
+        live.collective_fn, self.calls = _link(self.rate)
+        if self.cache_dir:
+            cost.CACHE_DIR = Path(self.cache_dir)
+        live._MEMO.clear()
+        return self.calls
+
+    def __exit__(self, *exc):
+        from overlapc.passes import cost
+
+        live.collective_fn, cost.CACHE_DIR = self.saved
+        live._MEMO.clear()
+
+
+def _sites(be):
+    return {s.name: s for s in be.report.sites if s.pattern != "collective"}
+
+
+def live_job(case: dict, cache_dir: str) -> dict:
+    """Job: AG(x) @ w compiled with default options (strategy auto, no hardware; micro-batch
+    slices off, so the decision is the site's) under a
+    link double of ``case["rate"]`` bytes/s; again after a dynamo reset (the cache), and
+    again in another dtype (a new key)."""
+    import overlapc
+
+    group = dist.group.WORLD
+
+    def fn(x, w):
+        return funcol.all_gather_tensor(x, gather_dim=0, group=group) @ w
+
+    out = {}
+    with _Patched(case["rate"], cache_dir) as calls:
+        for step, dtype in (("first", torch.float32), ("again", torch.float32), ("bf16", torch.bfloat16)):
+            torch._dynamo.reset()
+            before = len(calls)
+            be = overlapc.backend(inner="eager", microbatches=1)
+            x, w = torch.randn(256, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
+            torch.compile(fn, backend=be)(x, w)
+            got = [s for s in _sites(be).values() if s.pattern == "all_gather_matmul"]
+            assert len(got) == 1, [(s.name, s.status, s.reason) for s in be.report.sites]
+            site = got[0] or [None]
+            out[step] = {"status": site.status, "numbers": site.details["predicted"]["numbers"],
+                         "profile": site.details["predicted"]["profile"], "measured": len(calls) - before,
+                         "gain": site.details["predicted"]["gain"]}
+    return out
+
+
+@pytest.mark.distributed
+def test_slow_link_rewrites_fast_link_skips(world2, tmp_path):
+    slow = world2.run(live_job, {"rate": 100e6}, str(tmp_path / "slow"))
+    fast = world2.run(live_job, {"rate": 100e9}, str(tmp_path / "fast"))
+    for r in slow:
+        assert r["first"]["status"] == "rewritten" and r["first"]["numbers"] == "measured", r
+    for r in fast:
+        assert r["first"]["status"] == "skipped" and r["first"]["numbers"] == "measured", r
+    assert slow[0]["first"]["profile"].endswith("+measured")
+    # every rank holds the slowest rank's numbers: the same predicted gain everywhere
+    assert slow[0]["first"]["gain"] == slow[1]["first"]["gain"]
+    for r in slow + fast:
+        # a recompile measures nothing: the numbers are the memo's
+        assert r["again"]["numbers"] == "cached" and r["again"]["measured"] == 0, r
+        # another dtype is another key: measured anew
+        assert r["bf16"]["numbers"] == "measured" and r["bf16"]["measured"] > 0, r
+
+
+def disk_cache_job(cache_dir: str, corrupt: bool) -> dict:
+    """Job: a fresh process memory (memo cleared) reads rank 0's disk cache; a corrupt file
+    is ignored with a warning and measured again."""
+    import warnings
+
+    from pathlib import Path
+
+    import overlapc
+
+    if corrupt and dist.get_rank() == 0:
+        for f in (Path(cache_dir) / "live").glob("*.json"):
+            f.write_text("{not json")
+    dist.barrier()
+    group = dist.group.WORLD
+
+    def fn(x, w):
+        return funcol.all_gather_tensor(x, gather_dim=0, group=group) @ w
+
+    torch._dynamo.reset()
+    be = overlapc.backend(inner="eager", microbatches=1)
+    with _Patched(100e6, cache_dir) as calls, warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.compile(fn, backend=be)(torch.randn(256, 1024), torch.randn(1024, 1024))
+    (site,) = [s for s in _sites(be).values() if s.pattern == "all_gather_matmul"]
+    return {"numbers": site.details["predicted"]["numbers"], "measured": len(calls),
+            "warned": any("corrupt measurement cache" in str(w.message) for w in seen)}
+
+
+@pytest.mark.distributed
+def test_disk_cache_and_corrupt_file(world2, tmp_path):
+    cache = str(tmp_path / "cache")
+    world2.run(live_job, {"rate": 100e6}, cache)  # fills the disk cache
+    for r in world2.run(disk_cache_job, cache, False):
+        assert r == {"numbers": "cached", "measured": 0, "warned": False}, r
+    r0, r1 = world2.run(disk_cache_job, cache, True)
+    assert r0["warned"] and not r1["warned"], (r0, r1)
+    assert r0["numbers"] == r1["numbers"] == "measured" and r0["measured"] == r1["measured"] > 0, (r0, r1)
+
+
+def mismatch_job() -> str:
+    """Job: rank r compiles AG(x) @ w with a different x: the measurement requests differ."""
+    import overlapc
+    from overlapc.errors import OverlapError
+
+    group = dist.group.WORLD
+
+    def fn(x, w):
+        return funcol.all_gather_tensor(x, gather_dim=0, group=group) @ w
+
+    torch._dynamo.reset()
+    try:
+        with _Patched(100e6):
+            torch.compile(fn, backend=overlapc.backend(inner="eager"))(torch.randn(64 + 64 * dist.get_rank(), 32),
+                                                                       torch.randn(32, 32))
+    except Exception as e:  # dynamo wraps backend errors
+        cause = e
+        while cause is not None and not isinstance(cause, OverlapError):
+            cause = cause.__cause__ or cause.__context__
+        assert cause is not None, f"expected OverlapError, got {type(e).__name__}: {e}"
+        t = torch.ones(1)
+        dist.all_reduce(t)  # the world is still usable
+        return str(cause)
+    raise AssertionError("ranks with different graphs compiled without an error")
+
+
+@pytest.mark.distributed
+def test_ranks_compiling_different_graphs_fail_fast(world2):
+    for msg in world2.run(mismatch_job, timeout=120):
+        assert "compiled different" in msg and "same input shapes" in msg, msg
+
+
+def test_needs_cover_whole_and_chunks(fake_mesh8):
+    """What is measured for a graph: each collective whole and its 2-, 4- and 8-way chunks,
+    in the collective's dtype, rounded to what the kind can split."""
+    from overlapc.explain import capture
+
+    group = fake_mesh8.get_group()
+
+    def fn(x, w):
+        return funcol.reduce_scatter_tensor(funcol.all_gather_tensor(x, 0, group) @ w, "sum", 0, group)
+
+    _, graphs = capture(fn, torch.randn(64, 32), torch.randn(32, 32), options={"strategy": "none"})
+    needs = [n for ns in live.needs_of(graphs[0][1].graph).values() for n in ns]
+    ag = sorted(n.numel for n in needs if n.kind == "all_gather")
+    rs = sorted(n.numel for n in needs if n.kind == "reduce_scatter")
+    assert ag == [64 * 32 // d for d in (8, 4, 2, 1)], ag
+    assert rs == [512 * 32 // d for d in (8, 4, 2, 1)] and all(n % 8 == 0 for n in rs), rs
+    assert {n.dtype for n in needs} == {"float32"}
