@@ -60,6 +60,10 @@ all-gather (2048, 1024, 4096) at 1000 Mbit/s, 3-4 measured 6-8% faster); on the 
 (rotated order) 27 of 32 against 25 of 29. The band (1% since stop 11, chosen when the
 model priced chunked reduce-scatters' latency too high) is kept as a knob at 0."""
 MODELLED = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+FUSED_VERIFIED_ON = ("cpu",)
+"""Devices whose fused kernels have passed the multi-process checks against eager, where
+strategy "auto" may choose them: the CPU (Triton's interpreter, tests/test_fused_kernels.py).
+On CUDA they ran on one GPU only, with peers emulated, and hung there twice (issue 37)."""
 
 
 def auto_chunks(extent: int) -> int:
@@ -331,8 +335,12 @@ def _fuse_pays(site: MatchedSite, pred: cost.Prediction, profile: cost.Profile, 
     if t >= pred.best or (pred.base - t) / pred.base < profile.min_gain:
         return False
     why = fuse.can_fuse(site, deps)
-    if why is None and profile.device == "cuda":  # a GPU cluster's plan, traced here on CPU tensors
-        why = symm.cuda_supported(None)
+    if why is None and profile.device not in FUSED_VERIFIED_ON:
+        why = (f"strategy 'auto' does not fuse on {profile.device}: the fused kernels have not passed the "
+               "checks between devices of that kind yet (strategy='fuse' asks for them)")
+        here = symm.cuda_supported(None) if profile.device == "cuda" else None  # a GPU plan traced here
+        if here:
+            why += f"; and here: {here}"
     if why:
         site.details["fuse_not_taken"] = why
         site.details.pop("fuse_left_whole", None)  # can_fuse's note on consumers, for a fused site only

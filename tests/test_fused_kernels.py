@@ -432,8 +432,8 @@ def test_fuse_plan_structure(fake_mesh8):
 
 def test_auto_fuses_where_the_model_says_it_pays(fake_mesh8, tmp_path):
     """strategy "auto" prices the fused op (cost.t_fused) beside the decompositions: under a
-    GPU profile (device "cuda") the sites where fusion would pay say why it is not taken (no
-    CUDA device here), and the plan is what it was; under the same figures for a device with
+    GPU profile (device "cuda") the sites where fusion would pay say why it is not taken (not
+    verified on CUDA; no CUDA device here), and the plan is what it was; under the same figures for a device with
     symmetric memory here, exactly those sites are fused, and the plan shows the fused time."""
     import json
 
@@ -448,7 +448,10 @@ def test_auto_fuses_where_the_model_says_it_pays(fake_mesh8, tmp_path):
 
     gpu = plan("h100-nvlink")
     pays = {n for n, s in gpu.items() if s.details.get("fuse_not_taken")}
-    assert pays and all("CUDA symmetric-memory workspace" in gpu[n].details["fuse_not_taken"] for n in pays)
+    # auto never fuses on CUDA until the kernels pass the checks between GPUs (issue 37); the
+    # report says so, and what this machine lacks besides
+    assert pays and all("does not fuse on cuda" in gpu[n].details["fuse_not_taken"]
+                        and "CUDA symmetric-memory workspace" in gpu[n].details["fuse_not_taken"] for n in pays)
     assert all(s.strategy != "fuse" for s in gpu.values())
     for s in gpu.values():  # fusion is offered exactly where the model prices it below both
         p = s.details["predicted"]
