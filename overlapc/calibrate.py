@@ -398,6 +398,31 @@ def calibrate_job(threads: int = 1):
     return measure()
 
 
+def main_launched(out: str | None) -> str | None:
+    """Calibrate the world this process was launched into (torchrun sets RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT): every rank measures, rank 0 writes the profile (default: the
+    cpu-local profile) and returns its path; the others return None once it is written.
+    Pass ``hardware=FILE`` with that path (on a filesystem every rank reads) to plan with it."""
+    from pathlib import Path
+
+    from overlapc.passes.cost import CACHE_DIR
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo")  # the profile is of CPU ranks over gloo (the GPU profiles are by name)
+    try:
+        prof = measure()
+        path = Path(out) if out else CACHE_DIR / "cpu-local.json"
+        if dist.get_rank() == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(prof, indent=1))
+        dist.barrier()
+        return str(path) if dist.get_rank() == 0 else None
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
 def main(world_size: int, out: str | None, threads: int = 1) -> str:
     from pathlib import Path
 

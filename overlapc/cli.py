@@ -61,7 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print the predictions as JSON")
     pl.add_argument("--trace", metavar="FILE", help="write a Chrome trace (Perfetto) of one step; a PNG beside it")
     cal = sub.add_parser("calibrate", help="measure this machine's profile (GEMM rates, link alpha/beta)")
-    cal.add_argument("--world-size", "-w", type=_world_size, required=True, help="ranks of the local gloo world")
+    cal.add_argument("--world-size", "-w", type=_world_size, default=None,
+                     help="ranks of a local gloo world to spawn; leave it out under torchrun (RANK, WORLD_SIZE set): "
+                          "the launched world is measured, its own network")
     cal.add_argument("--out", "-o", default=None, metavar="FILE",
                      help="where to write the profile (default: the cpu-local profile in ~/.cache/overlapc)")
     return p
@@ -195,8 +197,19 @@ def cmd_plan(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from .calibrate import main as calibrate
+    import os
 
+    from .calibrate import main as calibrate
+    from .calibrate import main_launched
+
+    if args.world_size is None:
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise UsageError("calibrate: give --world-size N to spawn a local world, or run it under torchrun "
+                             "(torchrun --nproc-per-node N [--nnodes ...] -m overlapc calibrate --out FILE)")
+        path = main_launched(args.out)
+        if path:
+            print(f"wrote {path}")
+        return 0
     path = calibrate(args.world_size, args.out)
     print(f"wrote {path}")
     return 0

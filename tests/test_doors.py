@@ -3,6 +3,7 @@ decorator (class, instance, function), explain() and the CLI; options validation
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -258,3 +259,13 @@ def test_explain_past_dynamo_recompile_limit(fake_mesh8):
     for _ in range(torch._dynamo.config.recompile_limit + 1):
         report = overlapc.explain(fn, x, w)
     assert [s.name for s in report.sites] == [s.name for s in first.sites]
+
+
+def test_cli_calibrate_needs_a_world():
+    """Without --world-size, calibrate measures the world torchrun launched; outside one it
+    says how to run it (exit 2), rather than measuring a one-rank world."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    p = subprocess.run([sys.executable, "-m", "overlapc", "calibrate"], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert p.returncode == 2, p.stderr
+    assert "--world-size" in p.stderr and "torchrun" in p.stderr, p.stderr
