@@ -44,10 +44,11 @@ class Options:
     hardware: str | None = None
     """Cost-model profile: "cpu-local" (``overlapc calibrate``), "cpu-default", "h100-nvlink", "h200-nvlink",
     "ib-400g", or the path of a profile JSON file; None: the profile of the machine this runs on."""
-    measure: bool = True
+    measure: bool = False
     """Where ``hardware`` is None: time the graph's collectives on the live process group when it is
-    compiled (every rank together, cached), so the planner prices the user's own network. See
-    overlapc/runtime/live.py."""
+    compiled (every rank together, cached), so the planner prices the user's own network. Off by default:
+    the links are timed alone, and where moving bytes takes the cores the GEMMs need (gloo at high rates)
+    the plans it leads to ran slower than the baseline (BENCHMARKS.md). See overlapc/runtime/live.py."""
     timeout: float = 300.0
     """Seconds a fused op may wait for its peers before it raises an error naming the op (strategy "fuse")."""
     mode: str | None = None

@@ -63,8 +63,8 @@ def _sites(be):
 
 
 def live_job(case: dict, cache_dir: str) -> dict:
-    """Job: AG(x) @ w compiled with default options (strategy auto, no hardware; micro-batch
-    slices off, so the decision is the site's) under a
+    """Job: AG(x) @ w compiled with measure=True and otherwise default options (strategy
+    auto, no hardware; micro-batch slices off, so the decision is the site's) under a
     link double of ``case["rate"]`` bytes/s; again after a dynamo reset (the cache), and
     again in another dtype (a new key)."""
     import overlapc
@@ -76,10 +76,15 @@ def live_job(case: dict, cache_dir: str) -> dict:
 
     out = {}
     with _Patched(case["rate"], cache_dir) as calls:
+        torch._dynamo.reset()
+        be = overlapc.backend(inner="eager", microbatches=1)  # the default: the profile's numbers, no collective
+        torch.compile(fn, backend=be)(torch.randn(256, 1024), torch.randn(1024, 1024))
+        site = next(s for s in be.report.sites if s.pattern == "all_gather_matmul")
+        out["default"] = {"numbers": site.details["predicted"]["numbers"], "measured": len(calls)}
         for step, dtype in (("first", torch.float32), ("again", torch.float32), ("bf16", torch.bfloat16)):
             torch._dynamo.reset()
             before = len(calls)
-            be = overlapc.backend(inner="eager", microbatches=1)
+            be = overlapc.backend(inner="eager", microbatches=1, measure=True)
             x, w = torch.randn(256, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
             torch.compile(fn, backend=be)(x, w)
             got = [s for s in _sites(be).values() if s.pattern == "all_gather_matmul"]
@@ -103,6 +108,7 @@ def test_slow_link_rewrites_fast_link_skips(world2, tmp_path):
     # every rank holds the slowest rank's numbers: the same predicted gain everywhere
     assert slow[0]["first"]["gain"] == slow[1]["first"]["gain"]
     for r in slow + fast:
+        assert r["default"] == {"numbers": "modelled", "measured": 0}, r  # measure=False by default
         # a recompile measures nothing: the numbers are the memo's
         assert r["again"]["numbers"] == "cached" and r["again"]["measured"] == 0, r
         # another dtype is another key: measured anew
@@ -128,7 +134,7 @@ def disk_cache_job(cache_dir: str, corrupt: bool) -> dict:
         return funcol.all_gather_tensor(x, gather_dim=0, group=group) @ w
 
     torch._dynamo.reset()
-    be = overlapc.backend(inner="eager", microbatches=1)
+    be = overlapc.backend(inner="eager", microbatches=1, measure=True)
     with _Patched(100e6, cache_dir) as calls, warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         torch.compile(fn, backend=be)(torch.randn(256, 1024), torch.randn(1024, 1024))
@@ -161,7 +167,7 @@ def mismatch_job() -> str:
     torch._dynamo.reset()
     try:
         with _Patched(100e6):
-            torch.compile(fn, backend=overlapc.backend(inner="eager"))(torch.randn(64 + 64 * dist.get_rank(), 32),
+            torch.compile(fn, backend=overlapc.backend(inner="eager", measure=True))(torch.randn(64 + 64 * dist.get_rank(), 32),
                                                                        torch.randn(32, 32))
     except Exception as e:  # dynamo wraps backend errors
         cause = e
