@@ -18,7 +18,8 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q -m "not extended" $(PYTEST_ARGS)
 
-# Also the tests marked `extended` (about 30 s more).
+# Also the tests marked `extended` (a few minutes more: the full region chunk-count sweep,
+# dropless chunk counts, the world-4 dynamic-shape test, more MoE variants).
 test-all: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
