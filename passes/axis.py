@@ -121,11 +121,6 @@ def _tensor_args(node: Node):
             yield k, a
 
 
-def _pointwise(node: Node) -> bool:
-    tags = getattr(node.target, "tags", ())
-    return torch.Tag.pointwise in tags or node.target in ops.IDENTITIES
-
-
 def _broadcast_treatment(operand: Node, out_shape: list[int], axis: Axis):
     """None (pass whole) when the operand broadcasts over the axis dim, the axis to narrow
     it with when it has the output's shape, False when neither."""
@@ -242,7 +237,7 @@ def step_of(node: Node, axes: dict[Node, Axis]) -> Step | None:
             return Step(node, None, {0: PIECE}) if t is ops.aten.sum.dim_IntList else None
         shift = 0 if keep else sum(d < a.dim for d in dims)
         return Step(node, Axis(a.dim - shift, a.extent, a.inner), {0: PIECE})
-    if _pointwise(node):
+    if ops.is_pointwise(node):
         if t is ops.aten._to_copy.default and not ops.same_place_copy(node):
             return None
         axis = next(iter(axes[n] for n in reached.values()))
@@ -611,7 +606,7 @@ def _inputs_for(x: Node, a: Axis, may_chain, kinds=(ops.ALL_TO_ALL,)) -> list[tu
         if ops.is_grouped_mm(x) and a.dim == 2:
             return None  # columns of a grouped matmul: see _matmul_step
         return {0: [(x.args[0], a), (x.args[1], a)], 1: [(x.args[0], a)], 2: [(x.args[1], a)]}[a.dim]
-    if _pointwise(x):
+    if ops.is_pointwise(x):
         out = []
         for _, n in _tensor_args(x):
             how = _broadcast_treatment(n, shape, a)

@@ -220,11 +220,6 @@ def _hoistable(a: Node, pos: dict, before: int) -> bool:
     return a.op == "call_function" and a.target in TRANSPOSES and all(pos[x] < before for x in a.all_input_nodes)
 
 
-def _pointwise(n: Node) -> bool:
-    tags = getattr(n.target, "tags", ())
-    return torch.Tag.pointwise in tags or n.target in ops.IDENTITIES
-
-
 def _same_dim0(a: Node, b: Node) -> bool:
     va, vb = ops.val(a), ops.val(b)
     if va is None or vb is None or va.dim() == 0 or vb.dim() == 0:
@@ -242,7 +237,7 @@ def _classify(n: Node, kinds: dict) -> tuple[str | None, str]:
         return None, "not an op"
     t = n.target
     tensor_ins = [a for a in n.all_input_nodes if ops.val(a) is not None]
-    if _pointwise(n):
+    if ops.is_pointwise(n):
         out = ops.val(n)
         if out is None or out.dim() == 0:
             return None, "pointwise op without a tensor result"

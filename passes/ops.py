@@ -56,6 +56,13 @@ IDENTITIES = {aten.clone.default, aten.alias.default, aten._to_copy.default,
               prims.convert_element_type.default, aten.contiguous.default}
 LAYOUT_OPS = RESHAPES | PERMUTES | IDENTITIES
 
+
+def is_pointwise(node: Node) -> bool:
+    """An elementwise op (torch's pointwise tag) or a layout identity (clone, cast): a chunk
+    of its inputs gives the same chunk of its output."""
+    tags = getattr(node.target, "tags", ())
+    return node.op == "call_function" and (torch.Tag.pointwise in tags or node.target in IDENTITIES)
+
 ADD = aten.add.Tensor
 
 

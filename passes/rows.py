@@ -114,13 +114,6 @@ def row_layout(world: int, dim: int, shape: list[int], chunks_sizes: list[int]) 
     return (world, dim, tuple(shape[:-1]), tuple(chunks_sizes))
 
 
-def _pointwise(node: Node) -> bool:
-    import torch
-
-    tags = getattr(node.target, "tags", ())
-    return node.op == "call_function" and (torch.Tag.pointwise in tags or node.target in ops.IDENTITIES)
-
-
 def chained_rows(b: Builder, root: Node, layout: tuple, c: int, plain: Callable[[Node], Node]) -> Node | None:
     """Chunk ``c`` of ``root``'s rows (as (world * n_c, N)) built from row-chunked GEMM
     results (RowChunks of the same layout) through row-wise ops: views that keep the last
@@ -144,7 +137,7 @@ def chained_rows(b: Builder, root: Node, layout: tuple, c: int, plain: Callable[
                 if n.target in ops.RESHAPES:
                     src = static_shape(n.args[0])
                     reach[n] = bool(src) and src[-1] == shape[-1] and reaches(n.args[0])
-                elif _pointwise(n):
+                elif ops.is_pointwise(n):
                     tensors = [a for a in (*n.args, *n.kwargs.values()) if isinstance(a, Node)]
                     reach[n] = (all(static_shape(a) == shape for a in tensors)
                                 and any(reaches(a) for a in tensors))
