@@ -479,10 +479,9 @@ def rewrite(site, chunks: int) -> None:
     region = best_region(site, may_chain)
     if region is None:  # planned only as part of a region whose own site was not rewritten
         reacher = site.coll.meta.get(REACHED)
-        site.status, site.strategy, site.chunks = "skipped", None, None
-        site.reason = ("chunkable only as part of the region of "
-                       f"{reacher.name if reacher else 'another site'}, which was not rewritten"
-                       + (f": {reacher.reason}" if reacher is not None and reacher.reason else ""))
+        site.skip("chunkable only as part of the region of "
+                  f"{reacher.name if reacher else 'another site'}, which was not rewritten"
+                  + (f": {reacher.reason}" if reacher is not None and reacher.reason else ""))
         return False
     describe(site, region)
     graph = site.coll.graph
@@ -494,8 +493,7 @@ def rewrite(site, chunks: int) -> None:
         try:
             pieces = ax.substitute(b, region, sizes)
         except Exception as e:  # an op refused its chunk shapes: the graph is as it was
-            site.status, site.strategy, site.chunks = "skipped", None, None
-            site.reason = f"chunked replay of the region failed ({type(e).__name__}: {str(e)[:200]}); left unchanged"
+            site.skip(f"chunked replay of the region failed ({type(e).__name__}: {str(e)[:200]}); left unchanged")
             return False
 
     in_region = set(region.matmuls) | set(region.deferred)

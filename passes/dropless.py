@@ -420,8 +420,7 @@ def rewrite(site, chunks: int, site_of) -> None:
         rows = "sent" if i == 0 else "received" if n in p.row_outputs else None
         tail = list(v.shape[1:]) if rows else list(v.shape)
         if any(isinstance(d, torch.SymInt) for d in tail):
-            site.status, site.strategy, site.chunks = "skipped", None, None
-            site.reason = f"{n.name} has a run-time size besides its rows: {list(v.shape)}"
+            site.skip(f"{n.name} has a run-time size besides its rows: {list(v.shape)}")
             return False
         shapes.append((rows, tail, v.dtype))
     runner = DroplessPipeline(body=_body(p), group_name=ops.group_name(p.dispatch), chunks=chunks,

@@ -50,8 +50,7 @@ def lower_sites(graph: Graph, sites: list[MatchedSite]) -> int:
         if site.status != "planned":
             continue
         if any(n.graph is not graph or _erased(n) for n in [site.coll, site.wait, *site.matmuls]):
-            site.status, site.strategy, site.chunks = "skipped", None, None
-            site.reason = "its matmul was already rewritten as part of another site"
+            site.skip("its matmul was already rewritten as part of another site")
             continue
         before = set(graph.nodes)
         if site.strategy == "fuse":

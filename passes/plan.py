@@ -220,7 +220,7 @@ def _plan_each(sites: list[MatchedSite], options: Options, deps: DepGraph, profi
     for site in sites:
         per_site = options.for_site(site.name)
         strategy, chunks = per_site["strategy"], per_site["chunks"]
-        site.status, site.reason, site.strategy, site.chunks = "skipped", None, None, None
+        site.skip(None)  # until a decision below
         if strategy == "none":
             site.status = "found"
             continue

@@ -34,6 +34,10 @@ class MatchedSite:
     """Seconds a fused op may wait for its peers (strategy "fuse")."""
     details: dict = field(default_factory=dict)
 
+    def skip(self, reason: str | None) -> None:
+        """Leave the site as it is, saying why (the report's reason)."""
+        self.status, self.strategy, self.chunks, self.reason = "skipped", None, None, reason
+
     @property
     def matmuls(self) -> list[Node]:
         raise NotImplementedError
