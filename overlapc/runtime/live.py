@@ -119,12 +119,12 @@ def measured_profile(graph, base, options, graph_kind: str = ""):
         # are real tensors and real collectives.
         from torch.utils._python_dispatch import _disable_current_modes
         with _disable_current_modes():
-            times, source = _measure_group(pg, name, needs, options, graph_kind)
+            times = _measure_group(pg, name, needs, options, graph_kind)
         for need, (t, how) in times.items():
             curves.setdefault(world, {}).setdefault(need.kind, []).append((need.nbytes, t))
             counts[how] += 1
-        for kind, src in source.items():
-            sources[(kind, world)] = src
+            if sources.get((need.kind, world)) != "measured":  # a kind is "measured" if any size was
+                sources[(need.kind, world)] = how
     if not curves:
         return base
     from overlapc.passes.cost import _monotone
@@ -139,8 +139,7 @@ def measured_profile(graph, base, options, graph_kind: str = ""):
 
 
 def _measure_group(pg, name: str, needs: list[Need], options, graph_kind: str):
-    """({need: (seconds, "measured" or "cached")}, {kind: "measured" or "cached"}) for one
-    group, the same on all its ranks."""
+    """{need: (seconds, "measured" or "cached")} for one group, the same on all its ranks."""
     import torch.distributed as dist
 
     from overlapc.agree import _exchange
@@ -161,10 +160,11 @@ def _measure_group(pg, name: str, needs: list[Need], options, graph_kind: str):
     on_rank0 = dist.get_rank() == ranks[0]
     # Rank 0's numbers (memory, then its disk cache) are everyone's: a rank with a cache of
     # its own must not measure less than the others (its collectives would have no peers).
-    known = {}
+    known, on_disk = {}, {}
     if on_rank0:
+        on_disk = _load_disk(key)
         known = {n: _MEMO[key + dataclasses.astuple(n)] for n in needs if key + dataclasses.astuple(n) in _MEMO}
-        known.update({n: t for n, t in _load_disk(key).items() if n in needs and n not in known})
+        known.update({n: t for n, t in on_disk.items() if n in needs and n not in known})
     linked = (backend, tuple(ranks)) in _Link.GROUPS
     shared = _exchange(f"live/{name}", ranks, {"known": [dataclasses.astuple(n) + (t,) for n, t in known.items()],
                                                "nonce": os.urandom(8).hex(), "linked": linked})
@@ -172,7 +172,7 @@ def _measure_group(pg, name: str, needs: list[Need], options, graph_kind: str):
         _Link.GROUPS.pop((backend, tuple(ranks)), None)
     shared = shared[0]
     known = {Need(*row[:3]): row[3] for row in shared["known"]}
-    times, source, spent = dict(known), {n.kind: "cached" for n in known}, 0.0
+    times, spent = dict(known), 0.0
     t0 = time.perf_counter()
     link = None
     for need in needs:
@@ -184,14 +184,13 @@ def _measure_group(pg, name: str, needs: list[Need], options, graph_kind: str):
         t = _time_collective(link, need)
         times[need] = t
         spent += t * (REPS + 1)
-        source[need.kind] = "measured"
     for need, t in times.items():
         _MEMO[key + dataclasses.astuple(need)] = t
     if on_rank0 and len(times) > len(known):
-        _save_disk(key, times)
+        _save_disk(key, {**on_disk, **times})
     log.info("overlapc: measured %d collective size(s) on group %s in %.2f s (%d cached)",
              len(times) - len(known), name, time.perf_counter() - t0, len(known))
-    return {n: (t, "cached" if n in known else "measured") for n, t in times.items()}, source
+    return {n: (t, "cached" if n in known else "measured") for n, t in times.items()}
 
 
 def _brief(request) -> str:
@@ -319,9 +318,9 @@ def _load_disk(key: tuple) -> dict[Need, float]:
 
 
 def _save_disk(key: tuple, times: dict[Need, float]) -> None:
+    """Write the group's cache file: ``times`` is everything to keep (what was read, and more)."""
     path = _cache_file(key)
-    old = {n: t for n, t in _load_disk(key).items() if n not in times} if path.is_file() else {}
-    rows = [[n.kind, n.dtype, n.numel, t] for n, t in {**old, **times}.items()]
+    rows = [[n.kind, n.dtype, n.numel, t] for n, t in times.items()]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
