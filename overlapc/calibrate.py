@@ -116,11 +116,9 @@ def _fit(xs, ys):
 
 def _typical(ts: list) -> float:
     """The mean without the fastest and the slowest (from 5 values; else the median). Not the
-    median: over a shaped TCP link a transfer's time is bimodal (measured 2026-12-04, world 2,
-    388 Mbit/s, 15 runs each: an 8 MiB all-to-all took ~100 or ~167 ms, about half and half),
-    and a median then lands on either mode from one calibration to the next (the a2a curve's
-    8 MiB point came out 113 or 167 ms in four calibrations of one cluster); the steps pay
-    the mix."""
+    median: over a shaped TCP link a transfer's time is bimodal, and a median lands on either
+    mode from one calibration to the next, where the steps pay the mix
+    (docs/cost_model.md#measurements-behind-calibration)."""
     ts = sorted(ts)
     if len(ts) < 5:
         return ts[len(ts) // 2]
@@ -220,13 +218,10 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
         dtype = getattr(torch, dt)
         # How the rate falls with the rows (M), as a chunk's GEMM streams the whole weight
         # for a fraction of the rows: one weight applied to 32 .. 512 rows (mm; and bmm, as
-        # per-expert GEMMs are, where it shows more: measured 2026-12-05 on this machine,
-        # fp32, K 1024, N 2048, us per row at 16 .. 1024 rows: mm 68 .. 44-46, bmm of 4 at 20 ..
-        # 640 rows 354 .. 173). Until 2026-12-05 this was the ratio of one 128-row and one
-        # 1024-row mm, which came out anywhere from 0 to 118 rows between calibrations of one
-        # cluster (a 6% effect under timing noise); a line through five sizes, interleaved, is
-        # steadier. half_flops (a fixed cost per call) comes from the square GEMMs' fit and is
-        # taken out of the rows term; then peak and half_flops are refitted without it.
+        # per-expert GEMMs are, where it shows more). A line through five sizes, interleaved,
+        # is steadier under timing noise than the ratio of two (measurements: docs/cost_model.md).
+        # half_flops (a fixed cost per call) comes from the square GEMMs' fit and is taken out
+        # of the rows term; then peak and half_flops are refitted without it.
         flops, times = [], []
         for m, n, k in GEMM_SIZES:
             a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
@@ -247,8 +242,7 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
     # All-gathers and all-to-alls at every size: the model reads these curves (bytes of one
     # rank's input -> time) where it has numbers. A link's rate per byte need not be
     # constant: over TCP on a shaped veth a 16 MiB all-to-all runs at 52-66% of the rate
-    # that 2 MiB ones reach, so chunks can be faster per byte than the whole (measured
-    # 2026-12-04). Each point is the time per message of a back-to-back run of at least
+    # that 2 MiB ones reach, so chunks can be faster per byte than the whole. Each point is the time per message of a back-to-back run of at least
     # STREAM_BYTES (a lone small message rides a token-bucket shaper's burst and looks faster
     # than the link, which a pipeline's chunks, sent one after another, are not).
     # Reduce-scatters keep alpha-beta times rs_factor: priced by their own curve, chunked
@@ -292,9 +286,8 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
             _all_gather(tiny_out, tiny_in, group=group)
     alpha = max(_comm_time(tiny_seq, group, reps) / (16 * max(world - 1, 1)), 1e-6)
     # How much longer latency is with GEMMs (~1 ms ones) running on the rank, per kind: 16
-    # tiny all-gathers, 16 tiny reduce-scatters. Measured 2026-12-05 on the emulated cluster
-    # (two calibrations each): reduce-scatters 1.0 at world 2 / 1000 Mbit/s, 1.0-1.9 at 3000,
-    # 2.0 at world 4 / 1000, 2.1-2.3 at 3000; all-gathers 1.4-3.2, noisier.
+    # tiny all-gathers, 16 tiny reduce-scatters (1.0-2.3 on the emulated cluster, larger
+    # with more ranks and faster links: docs/cost_model.md#measurements-behind-calibration).
     tiny_rs = torch.empty(16)
 
     def tiny_rs_seq():
@@ -309,8 +302,8 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
     rs = [t / ring(b) for t, b in ratio]
     rs_factor = round(sum(rs) / len(rs), 2)
     # A large reduce-scatter (RS_BIG input bytes) runs slower per byte than the ones the
-    # factor is fitted on (measured 2026-12-04: a 32 MiB one 1.3-1.6x the factor's time at
-    # 3000 Mbit/s, 1.1x at 1000): its excess over the formula, priced from the largest fitted
+    # factor is fitted on (a 32 MiB one 1.1-1.6x the factor's time on the emulated cluster):
+    # its excess over the formula, priced from the largest fitted
     # size up (chunks, smaller, are not affected).
     x_big, in_big = torch.empty(RS_BIG // 4 // world), torch.empty(RS_BIG // 4)
     t_big = _comm_time(lambda: _reduce_scatter(x_big, in_big, group=group), group, max(3, reps // 2))
@@ -326,10 +319,9 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
     # overlap_loss: an all-gather and GEMMs of about the same duration; the part of the
     # shorter that did not hide. comm_loss: an all-gather, and a reduce-scatter of the same
     # output, each with GEMMs of about half its time under it; how much the transfer was
-    # lengthened per second of GEMM. Measured 2026-12-04 on the emulated cluster (4 MiB per
-    # rank): about 0 for reduce-scatters and 0.1-0.3 for all-gathers where the link is the
-    # bottleneck (1000 Mbit/s), 0.6-1.0 at world 4 on 2 cores at 3000 Mbit/s, where moving
-    # bytes is CPU work that the GEMMs take cores from.
+    # lengthened per second of GEMM. Near 0 where the link is the bottleneck, up to 1 where
+    # moving bytes is CPU work that the GEMMs take cores from
+    # (docs/cost_model.md#measurements-behind-calibration).
     a = torch.randn(512, 1024)
     b = torch.randn(1024, 1024)
     t_mm = _median(lambda: torch.mm(a, b), reps)
@@ -347,8 +339,7 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
                  "reduce_scatter": _pair_loss(rs_op, a, b, max(1, round(0.5 * ratio[-1][0] / t_mm)), group, reps)}
     # Several all-to-alls of one chunk issued at once (Ulysses' q, k, v) run side by side on
     # gloo's threads: a big one's time beyond the link's rate (one TCP connection does not
-    # fill a shaped link: measured 2026-12-04, world 2, 658 Mbit/s, 8 MiB each: 94 ms alone,
-    # 73 ms each two at a time, 51 ms at the link's rate) partly hides.
+    # fill a shaped link) partly hides (docs/cost_model.md#measurements-behind-calibration).
     a2a_in, a2a_out = torch.empty(world * COMM_BYTES[-1] // 4), torch.empty(world * COMM_BYTES[-1] // 4)
     a2a_rate = min(t / b for b, t in curves["all_to_all"])
     excess = _concurrent_excess(lambda: dist.all_to_all_single(a2a_out, a2a_in, group=group, async_op=True),
@@ -357,10 +348,9 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
     src = torch.empty(1 << 24, dtype=torch.float32)
     dst = torch.empty_like(src)
     copy_bw = src.numel() * 4 / _median(lambda: dst.copy_(src), reps)
-    # Outputs of FRESH_BYTES and more page-fault on every call (measured 2026-12-05, one
-    # thread: a 2048 x 256 x 4096 fp32 mm, 32 MiB out, 60.7 ms fresh against 46.6 ms into a
-    # kept output; 16 MiB outputs 23.7 / 22.4): whole GEMMs of big sites run below the rate
-    # fitted on small ones, and their chunks (smaller outputs) do not pay it.
+    # Outputs of FRESH_BYTES and more page-fault on every call: whole GEMMs of big sites run
+    # below the rate fitted on small ones, and their chunks (smaller outputs) do not pay it
+    # (docs/cost_model.md#measurements-behind-calibration).
     fresh_bw = _fresh_bw(reps)
     prof = {
         "name": name,

@@ -369,9 +369,8 @@ def stage_times(st: Stage, fracs: list, world: int, gemm: Gemm, p: Profile) -> l
     loaded = _per_kind(p.loaded_latency, st.kind, 1.0)
     if loaded > 1:
         # Chunks run beside the pipeline's GEMMs, and a collective's latency is longer on a
-        # rank whose cores are busy (measured 2026-12-05 on the emulated cluster, 16 tiny
-        # all-gathers / reduce-scatters in a row with GEMMs on a side thread: 2.1-2.2x at
-        # world 4, 3000 Mbit/s; 1.0-1.4x at world 2, 1000 Mbit/s). The baseline's run alone.
+        # rank whose cores are busy (calibrate's loaded_latency; measurements: docs/cost_model.md).
+        # The baseline's run alone.
         lat = lat * loaded
         ts = [t + lat * (1 - 1 / loaded) for t in ts]
     if st.kind in ("reduce_scatter", "all_reduce") and p.concurrent_reductions:

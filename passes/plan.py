@@ -53,12 +53,8 @@ MIN_ROWS_PER_CHUNK = 32
 AUTO_MIN_BYTES = 1 << 20
 CHUNK_TIE = 0.0
 """Counts whose summed prediction is within this of the best are ties (the fewest wins).
-Judged on the sweep's times of the 2026-12-04 14:27 bench_plan run (the first with rounds
-in random order), no band picks a count within 5% of the best fixed one in 31 of 31
-configurations it can judge, a 1% band in 24 of 26 (it picked 2 chunks for the
-all-gather (2048, 1024, 4096) at 1000 Mbit/s, 3-4 measured 6-8% faster); on the 14:15 run
-(rotated order) 27 of 32 against 25 of 29. The band (1% since stop 11, chosen when the
-model priced chunked reduce-scatters' latency too high) is kept as a knob at 0."""
+0: on bench_plan's sweeps no band picked counts closer to the best fixed one than none
+(docs/cost_model.md#measurements-behind-calibration)."""
 MODELLED = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 FUSED_VERIFIED_ON = ("cpu",)
 """Devices whose fused kernels have passed the multi-process checks against eager, where
