@@ -14,6 +14,7 @@ PATTERNS = (
     "all_gather_matmul",
     "matmul_reduce_scatter",
     "matmul_all_reduce",
+    "all_reduce_sum",
     "all_to_all_matmul",
     "matmul_all_to_all",
     "microbatch",
@@ -30,7 +31,9 @@ class Site:
     """Stable name, the key of per-site overrides: "<graph>:<module>:<pattern>[#n]"."""
     pattern: str
     """One of PATTERNS; "collective" for a collective that is part of no site; "microbatch" for a
-    region of the graph cut into batch slices (option microbatches, passes/microbatch.py)."""
+    region of the graph cut into batch slices (option microbatches, passes/microbatch.py);
+    "all_reduce_sum" for all-reduces whose results were summed, coalesced into one
+    (passes/coalesce.py; details: the all-reduces merged and the bytes saved)."""
     graph: str
     """"forward", "backward" or "inference"."""
     status: str

@@ -11,6 +11,7 @@ from overlapc.options import Options
 from overlapc.report import Site
 
 from .accumulate import fold_partial_sums
+from .coalesce import coalesce_all_reduces
 from .deps import DepGraph
 from .lower import lower_sites
 from .match import find_sites
@@ -24,6 +25,7 @@ def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None) -
     """Run the pipeline on one captured graph in place; return its report rows in graph order."""
     options = options or Options()
     normalize(gm)
+    merged = coalesce_all_reduces(gm.graph, graph_kind, options)
     profile = graph_profile(gm.graph, graph_kind, options)
     slices, view = options.microbatches, None
     if slices == "auto":
@@ -56,7 +58,7 @@ def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None) -
     gm.meta["overlapc_changed"] = bool(rewritten or reordered or sliced)
     rows = [s.to_report() for s in sites] + [l.to_report() for l in loose]
     rows.sort(key=lambda r: order.get(r.collective, 0))
-    rows = cuts + rows
+    rows = cuts + merged + rows
     gm.graph.lint()
     gm.recompile()
     return rows

@@ -1,6 +1,7 @@
 """The ATen and functional-collective ops the passes recognise, in one place."""
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -271,12 +272,12 @@ def module_path(node: Node) -> str | None:
     path, cls = list(stack.values())[-1][:2]
     if path in ("L['self']", "L['mod']", "self", ""):
         return getattr(cls, "__name__", None) if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1] or None
-    for prefix in ("L['self'].", "L['self']", "self.", "L['mod']."):
-        if path.startswith(prefix):
-            path = path[len(prefix):]
-            break
     # Dynamo spells list items and attributes as ['0'] / _modules['x'] in some versions.
-    path = path.replace("._modules['", ".").replace("['", ".").replace("']", "")
+    path = path.replace("._modules['", ".")
+    # The root module's own source: L['self'], L['mod'], or L['args'][0] where a decorator
+    # (transformers' forward wrappers) hands the module to the traced function.
+    path = re.sub(r"^(?:L\['\w+'\](?:\[\d+\])*|self)\.?", "", path)
+    path = path.replace("['", ".").replace("']", "")
     return path or None
 
 

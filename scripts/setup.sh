@@ -40,6 +40,9 @@ if ! "$PY" -c "import triton" 2>/dev/null; then
   "${PIP[@]}" triton
 fi
 "${PIP[@]}" sympy networkx pytest hypothesis matplotlib
+# Real clients the tests load models with (optional: tests skip without them). torch is
+# already installed, so pip resolves their torch requirement to it.
+"${PIP[@]}" "transformers==5.25.0" "accelerate==1.16.0"
 "${PIP[@]}" --no-deps --editable .
 # Without CUDA the fused kernels run in Triton's interpreter; Triton < 3.7's (beside torch
 # 2.11) cannot run them on NumPy >= 2.4: give the venv a NumPy it can.

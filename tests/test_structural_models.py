@@ -89,7 +89,37 @@ def test_tp_counts(tp_report):
         # per layer: DTensor all-reduces each column-parallel input grad on its own: dq@Wq,
         # dk@Wk, dv@Wv, dg@W1, du@W3 (5 sites); plus the output projection's dgrad.
         "backward/matmul_all_reduce": 5 * L + 1,
+        # per layer: x's grad sums the q/k/v all-reduces, h's the w1/w3 ones: two sums to
+        # coalesce (found, not rewritten: strategy "none").
+        "backward/all_reduce_sum": 2 * L,
     }
+    merged = sorted(len(s.details["all_reduces"]) for s in tp_report.by(pattern="all_reduce_sum"))
+    assert merged == [2] * L + [3] * L
+
+
+def _all_reduce_bytes(gm) -> int:
+    """Bytes this rank all-reduces in a graph, counted from its all-reduce nodes."""
+    from overlapc.passes import ops
+    return sum(ops.val(n.args[0]).numel() * ops.val(n.args[0]).element_size()
+               for n in gm.graph.nodes if n.target is ops.ALL_REDUCE)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "decompose"])
+def test_tp_coalesced_bytes(fake_mesh8, strategy):
+    """The rewritten backward graph all-reduces 2 activations' worth a layer instead of 5
+    (plus the output projection's dgrad), however the planner then chunks them."""
+    model, inputs = llama.build_tp(fake_mesh8, n_layers=L)
+    report, graphs = capture(model, *inputs, options={"strategy": strategy})
+    base_model, base_inputs = llama.build_tp(fake_mesh8, n_layers=L)
+    _, base = capture(base_model, *base_inputs, options={"strategy": "none"})
+    act = 2 * 64 * llama.LlamaConfig.dim * 4  # (batch, seq, dim) fp32
+    got = {kind: _all_reduce_bytes(gm) for kind, gm in graphs}
+    want = {kind: _all_reduce_bytes(gm) for kind, gm in base}
+    assert want["backward"] == (5 * L + 1) * act and got["backward"] == (2 * L + 1) * act
+    assert got["forward"] == want["forward"] == (2 * L + 1) * act  # the embedding's too
+    rows = report.by(pattern="all_reduce_sum", status="rewritten")
+    assert len(rows) == 2 * L
+    assert sum(r.details["bytes_saved"] for r in rows) == 3 * L * act
 
 
 @pytest.mark.parametrize("form", ["bmm", "loop", "grouped"])
