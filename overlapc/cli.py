@@ -2,12 +2,16 @@
 
     overlapc explain MODULE:CALLABLE --world-size N [--json] [--option k=v ...] [--arg k=v ...]
     overlapc rewrite MODULE:CALLABLE --world-size N -o DIR [--option k=v ...] [--arg k=v ...]
+    overlapc rewrite MODULE:CALLABLE --world-size N --export OUT.pt2 [--option k=v ...]
+    overlapc explain FILE.pt2 [--world-size N] [--option k=v ...]
     overlapc plan MODULE:CALLABLE --world-size N [--hardware PROFILE] [--json] [--trace FILE]
     overlapc calibrate --world-size N [--out FILE]
 
 CALLABLE is called as ``CALLABLE(mesh, **args)`` with a 1-D DeviceMesh of N ranks and
 returns ``(model, example_inputs)``. Everything runs in this one process on the fake
-process group: shapes are right, values meaningless, nothing is sent.
+process group: shapes are right, values meaningless, nothing is sent. ``--export`` writes
+the rewritten ``torch.export`` program (overlapc.rewrite) for a world of N with the same
+group layout; ``explain FILE.pt2`` reports what overlapc does to a saved program.
 
 Errors in what was typed (a MODULE:CALLABLE that does not import, a bad world size or
 option) exit with status 2 and one line on stderr.
@@ -39,21 +43,26 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="overlapc", description="Computation-communication overlap for distributed PyTorch.")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
-    def common(sp):
+    def common(sp, world_required=True):
         sp.add_argument("target", metavar="MODULE:CALLABLE",
-                        help="callable(mesh, **args) -> (model, example_inputs)")
-        sp.add_argument("--world-size", "-w", type=_world_size, required=True, help="ranks in the mesh (>= 1)")
+                        help="callable(mesh, **args) -> (model, example_inputs)"
+                             + ("" if world_required else "; or a saved torch.export program, FILE.pt2"))
+        sp.add_argument("--world-size", "-w", type=_world_size, required=world_required,
+                        help="ranks in the mesh (>= 1)" + ("" if world_required else
+                                                           "; for FILE.pt2, default: read from its collectives"))
         sp.add_argument("--option", "-O", action="append", default=[], metavar="K=V",
                         help="an overlapc option, e.g. chunks=4 (repeatable)")
         sp.add_argument("--arg", "-a", action="append", default=[], metavar="K=V",
                         help="a keyword argument for CALLABLE, e.g. n_layers=2 (repeatable)")
 
     ex = sub.add_parser("explain", help="report every matmul-collective site and what would be done")
-    common(ex)
+    common(ex, world_required=False)
     ex.add_argument("--json", action="store_true", help="print the report as JSON")
     rw = sub.add_parser("rewrite", help="write the rewritten graphs' code and the report")
     common(rw)
-    rw.add_argument("-o", "--out", required=True, metavar="DIR", help="output directory")
+    rw.add_argument("-o", "--out", metavar="DIR", help="output directory for the graphs' code and the report")
+    rw.add_argument("--export", metavar="OUT.pt2",
+                    help="export the model (torch.export), rewrite it and save the program here")
     pl = sub.add_parser("plan", help="per-site predictions of the cost model for a cluster that need not be here")
     common(pl)
     pl.add_argument("--hardware", "-H", default=None, metavar="PROFILE",
@@ -144,19 +153,88 @@ def build(args):
     return model, tuple(inputs), opts
 
 
+def _saved_program(args):
+    """A saved torch.export program, and a fake world of the size its collectives were
+    exported for (or --world-size)."""
+    import torch
+
+    from .passes import ops
+
+    if not os.path.isfile(args.target):
+        raise UsageError(f"no such file: {args.target!r}")
+    try:
+        ep = torch.export.load(args.target)
+    except Exception as e:  # noqa: BLE001 - whatever torch.export.load raises, one line
+        raise UsageError(f"cannot load {args.target!r} as a torch.export program: {type(e).__name__}: {e}")
+    sizes = {n.args[1] for n in ep.graph.nodes if n.target is ops.ALL_GATHER} \
+        | {n.args[2] for n in ep.graph.nodes if n.target is ops.REDUCE_SCATTER}
+    has_comm = any(ops.is_collective(n) for n in ep.graph.nodes)
+    if args.world_size is None and has_comm and not sizes:
+        raise UsageError(f"{args.target}: its collectives do not record their group's size (all-reduces, "
+                         "all-to-alls): give --world-size N")
+    world = args.world_size or (max(sizes) if sizes else 1)
+    fake_world(world)
+    return ep, world
+
+
 def cmd_explain(args) -> int:
     from .explain import explain
 
+    if args.target.endswith(".pt2"):
+        from .export import rewrite
+
+        from collections import Counter
+
+        from .passes import ops
+
+        ep, world = _saved_program(args)
+        # What the program holds (strategy "none"), unless options ask what a rewrite would do.
+        new = rewrite(ep, options=_kv(args.option, "option") or {"strategy": "none"})
+        if args.json:
+            print(new.overlapc_report.to_json())
+            return 0
+        held = Counter(ops.collective_name(n) for n in ep.graph.nodes if ops.is_collective(n))
+        print(f"{args.target}: a program for a world of {world}; collectives: "
+              + (", ".join(f"{k} x{v}" for k, v in sorted(held.items())) or "none"))
+        print(str(new.overlapc_report))
+        return 0
+    if args.world_size is None:
+        raise UsageError("explain MODULE:CALLABLE needs --world-size N")
     model, inputs, opts = build(args)
     report = explain(model, *inputs, options=opts)
     print(report.to_json() if args.json else str(report))
     return 0
 
 
+def cmd_export(args, model, inputs, opts) -> int:
+    import torch
+
+    from .export import rewrite
+
+    try:
+        ep = torch.export.export(model, inputs)
+    except Exception as e:  # noqa: BLE001 - torch.export's refusal, in one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UsageError(f"torch.export could not export {args.target}: {type(e).__name__}: {first} "
+                         "(DTensor-parallelized modules do not export; write the layers with functional "
+                         "collectives, e.g. overlapc.models.megatron)")
+    new = rewrite(ep, options=opts)
+    torch.export.save(new, args.export)
+    print(str(new.overlapc_report))
+    print(f"wrote {args.export}: a program for a world of {args.world_size} with the same process groups")
+    return 0
+
+
 def cmd_rewrite(args) -> int:
     from .explain import capture
 
+    if not args.out and not args.export:
+        raise UsageError("rewrite needs -o DIR (the graphs' code and the report) or --export OUT.pt2, or both")
     model, inputs, opts = build(args)
+    if args.export:
+        cmd_export(args, model, inputs, opts)
+        if not args.out:
+            return 0
     report, graphs = capture(model, *inputs, options=opts)
     os.makedirs(args.out, exist_ok=True)
     counts: dict[str, int] = {}

@@ -24,6 +24,15 @@ def fake_mesh8():
     yield mesh
 
 
+@pytest.fixture
+def own_fake_world():
+    """For a test that makes its own fake world in this process: the world of 8 that
+    fake_mesh8's users expect is put back afterwards (groups resolve by name, "0")."""
+    yield
+    from overlapc.cli import fake_world
+    fake_world(8)
+
+
 _WORLDS: dict[int, object] = {}
 
 
