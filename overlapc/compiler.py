@@ -175,14 +175,30 @@ def _compile_eager(gm, example_inputs, opts, be):
 
     def compiler(kind):
         def compile_fn(g, _inputs):
+            from overlapc.passes.build import copy_graph_module
+
+            from .runtime.adapt import Adaptive, wants_adapt
             from .runtime.waits import name_waits
-            _run_passes(g, kind, opts, be)
+            base = copy_graph_module(g) if _may_adapt(opts) else None
+            sites = _run_passes(g, kind, opts, be)
             # A failing chunked collective names its site and chunk.
-            return make_boxed_func(name_waits(g).forward)
+            planned = make_boxed_func(name_waits(g).forward)
+            ranks = base is not None and wants_adapt(opts, bool(g.meta.get("overlapc_changed")), sites)
+            if ranks:
+                return Adaptive(planned, make_boxed_func(base.forward), kind=kind, rows=sites, ranks=ranks,
+                                steps=opts.adapt)
+            return planned
         return compile_fn
 
     return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
                         inference_compiler=compiler("inference"))(gm, example_inputs)
+
+
+def _may_adapt(opts: Options) -> bool:
+    """Whether graphs may get a baseline to race against (overlapc/runtime/adapt.py)."""
+    import torch.distributed as dist
+
+    return bool(opts.adapt) and opts.strategy == "auto" and dist.is_available() and dist.is_initialized()
 
 
 def _overlap_pass_class():
@@ -195,10 +211,13 @@ def _overlap_pass_class():
             self.opts, self.be = opts, be
             self.kind = "forward"
             self.rewritten: list[str] = []
+            self.sites: list = []
+            self.changed = False
 
         def __call__(self, graph: torch.fx.Graph) -> None:
             gm = graph.owning_module
             sites = _run_passes(gm, self.kind, self.opts, self.be)
+            self.sites, self.changed = sites, bool(gm.meta.get("overlapc_changed"))
             self.rewritten = [s.name for s in sites if s.status == "rewritten"]
             from .runtime.dropless import pipelines_of
             for p in pipelines_of(graph):  # their bodies are decomposed graphs: compile them too
@@ -218,15 +237,40 @@ def _compile_inductor(gm, example_inputs, opts, be):
 
     pass_ = _overlap_pass_class()(opts, be)
 
+    from overlapc.passes.build import copy_graph_module
+
     def inner_compile(g, inputs, **kw):
         pass_.kind = "backward" if kw.get("is_backward") else "inference" if kw.get("is_inference") else "forward"
         # The pass may switch scheduler settings for this graph (see _keep_order_in_inductor);
         # restore them for the next one.
-        pass_.rewritten = []
+        pass_.rewritten, pass_.sites, pass_.changed = [], [], False
+        base = copy_graph_module(g) if _may_adapt(opts) else None  # before the passes change g
         with inductor_config.patch({k: getattr(inductor_config, k) for k in _ORDER_SETTINGS
                                     if hasattr(inductor_config, k)}):
             out = compile_fx_inner(g, inputs, **kw)
         _name_failures(out, pass_.kind, pass_.rewritten)
+        from .runtime.adapt import Adaptive, wants_adapt
+        ranks = base is not None and wants_adapt(opts, pass_.changed, pass_.sites)
+        if ranks and callable(getattr(out, "current_callable", None)):
+            # The graph as captured, compiled without overlapc's pass: the program to beat.
+            # The tracing context holds the output strides of one compile (the planned one's,
+            # which AOTAutograd uses): the second compile must not see or keep its own.
+            ctx = torch._guards.TracingContext.try_get()
+            strides = list(ctx.output_strides) if ctx is not None and ctx.output_strides is not None else None
+            if strides is not None:
+                ctx.output_strides.clear()
+            try:
+                with inductor_config.patch({"post_grad_custom_post_pass": None}):
+                    baseline = compile_fx_inner(base, inputs, **kw)
+                same = strides is None or list(ctx.output_strides) == strides
+            finally:
+                if strides is not None:
+                    ctx.output_strides[:] = strides
+            if not same:  # outputs laid out otherwise: AOTAutograd would restride them wrongly
+                log.info("overlapc: %s graph: the baseline's outputs have other strides; not adapted", pass_.kind)
+            elif callable(getattr(baseline, "current_callable", None)):
+                out.current_callable = Adaptive(out.current_callable, baseline.current_callable, kind=pass_.kind,
+                                                rows=pass_.sites, ranks=ranks, steps=opts.adapt)
         return out
 
     patches = {"post_grad_custom_post_pass": pass_, "fx_graph_cache": False}

@@ -34,6 +34,7 @@ def rewrite(ep, *, options: dict | Options | None = None):
 
     from overlapc.compiler import _GLOBAL_LOCK, _GLOBAL_REPORT
     from overlapc.passes import optimize
+    from overlapc.passes.build import copy_graph_module
 
     if not isinstance(ep, ExportedProgram):
         raise OverlapError("overlapc.rewrite takes a torch.export.ExportedProgram (from torch.export.export or "
@@ -45,7 +46,7 @@ def rewrite(ep, *, options: dict | Options | None = None):
     check_groups(ep.graph_module)
     # Core ATen: the ops the matchers read. A new program; ``ep`` stays as it was.
     ep = ep.run_decompositions(_decompositions())
-    gm = _copy(ep.graph_module)
+    gm = copy_graph_module(ep.graph_module)
     rows = optimize(gm, "inference", opts)
     fused = [r.name for r in rows if r.strategy == "fuse"]
     if fused:  # a profile that prices fused kernels, under strategy "auto"
@@ -72,16 +73,6 @@ def _decompositions():
     table = torch.export.default_decompositions()
     table[torch.ops.aten.linear.default] = _linear
     return table
-
-
-def _copy(gm: GraphModule) -> GraphModule:
-    """A new GraphModule over a copy of ``gm``'s graph (node meta shared: the fake values)."""
-    graph = torch.fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    new = GraphModule(gm, graph)
-    new.meta.update(gm.meta)
-    return new
 
 
 def _renamed_outputs(signature, gm: GraphModule):

@@ -49,6 +49,11 @@ class Options:
     compiled (every rank together, cached), so the planner prices the user's own network. Off by default:
     the links are timed alone, and where moving bytes takes the cores the GEMMs need (gloo at high rates)
     the plans it leads to ran slower than the baseline (BENCHMARKS.md). See overlapc/runtime/live.py."""
+    adapt: int = 3
+    """Under strategy "auto": for a graph the planner rewrote, run the rewritten program and the graph as
+    captured alternately for this many timed calls each (after one warm-up call each), then keep the one
+    the slowest rank ran faster, on every rank (overlapc/runtime/adapt.py). Compiles such graphs twice.
+    0: off."""
     timeout: float = 300.0
     """Seconds a fused op may wait for its peers before it raises an error naming the op (strategy "fuse")."""
     mode: str | None = None
@@ -67,6 +72,9 @@ class Options:
         for name in ("schedule", "addmm_partials", "measure"):
             if not isinstance(getattr(self, name), bool):
                 raise OverlapError(f"option {name!r} must be True or False; got {getattr(self, name)!r}")
+        if isinstance(self.adapt, bool) or not isinstance(self.adapt, int) or self.adapt < 0:
+            raise OverlapError(f"option 'adapt' must be an int >= 0 (timed calls per program; 0: off); "
+                               f"got {self.adapt!r}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
             raise OverlapError(f"option 'timeout' must be a number of seconds > 0; got {self.timeout!r}")
         if self.hardware is not None and not isinstance(self.hardware, str):

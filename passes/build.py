@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx import Graph, Node
+from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
@@ -198,3 +198,13 @@ def movedim_perm(rank: int, src: int, dst: int) -> list[int]:
     order = [d for d in range(rank) if d != src]
     order.insert(dst, src)
     return order
+
+
+def copy_graph_module(gm: GraphModule) -> GraphModule:
+    """A new GraphModule over a copy of ``gm``'s graph, sharing its submodules, parameters
+    and each node's meta values (the fake tensors): a graph to rewrite while ``gm`` stays."""
+    graph = Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    new = GraphModule(gm, graph)
+    new.meta.update(gm.meta)
+    return new
