@@ -57,6 +57,7 @@ class Backend:
         self.graphs: list[tuple[str, torch.fx.GraphModule]] | None = [] if keep_graphs else None
         """With keep_graphs: (graph kind, rewritten GraphModule) of every graph compiled."""
         self._bucketed: list = []
+        self.warned_overrides: set[str] = set()
         self.__name__ = "overlapc"
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs, **kwargs):
@@ -150,6 +151,15 @@ def _run_passes(gm, kind: str, opts: Options, be: Backend):
         be.report.extend(sites)
         if be.graphs is not None:
             be.graphs.append((kind, gm))
+        # After the last graph of a capture (its backward, or an inference graph): a glob that
+        # matched no site so far is most likely a typo or a name from another layout.
+        if opts.overrides and kind in ("backward", "inference"):
+            for glob in opts.unmatched_overrides(s.name for s in be.report.sites):
+                if glob not in be.warned_overrides:
+                    be.warned_overrides.add(glob)
+                    log.warning("overlapc: override %r matched no site; site names look like %r (see "
+                                "overlapc.explain)", glob, next((s.name for s in sites if s.pattern != "collective"),
+                                                                 "forward:layers.0.attention:all_gather_matmul"))
     if sites:
         from .report import format_table
         log.info("overlapc: %s graph\n%s", kind, format_table(sites))

@@ -67,6 +67,7 @@ def capture(fn: Callable | torch.nn.Module, *args, options: dict | Options | Non
             out = compiled(*fake_args, **fake_kwargs)
             if lazy_bw is _NO_EAGER_LOWERING:
                 _run_backward(out, list(state.values()) + pytree.tree_leaves((fake_args, fake_kwargs)))
+    report.unmatched_overrides = opts.unmatched_overrides(s.name for s in report.sites)
     return report, backend.graphs
 
 

@@ -128,6 +128,13 @@ class Options:
                 raise OverlapError(f"unknown option {name!r}{hint}; allowed options: " + ", ".join(allowed))
         return cls(**base)
 
+    def unmatched_overrides(self, names) -> list[str]:
+        """The ``overrides`` globs that match none of ``names`` (site names)."""
+        import fnmatch
+
+        names = list(names)
+        return [g for g in self.overrides if not any(fnmatch.fnmatchcase(n, g) for n in names)]
+
     def for_site(self, name: str) -> dict[str, Any]:
         """strategy and chunks for one site, after per-site overrides (first matching glob wins)."""
         import fnmatch

@@ -70,6 +70,8 @@ class Site:
 @dataclass
 class Report:
     sites: list[Site] = field(default_factory=list)
+    unmatched_overrides: list[str] = field(default_factory=list)
+    """``overrides`` globs that matched no site (explain() fills it; the backend logs a warning)."""
 
     def extend(self, sites):
         self.sites.extend(sites)
@@ -91,6 +93,7 @@ class Report:
         return {
             "sites": [s.to_dict() for s in self.sites],
             "summary": {f"{g}/{p}": n for (g, p), n in sorted(self.counts().items())},
+            "unmatched_overrides": list(self.unmatched_overrides),
         }
 
     def to_json(self, **kw) -> str:
@@ -98,7 +101,10 @@ class Report:
         return json.dumps(self.to_dict(), **kw)
 
     def __str__(self) -> str:
-        return format_table(self.sites)
+        table = format_table(self.sites)
+        if self.unmatched_overrides:
+            table += "\noverrides that matched no site: " + ", ".join(map(repr, self.unmatched_overrides))
+        return table
 
     def __repr__(self) -> str:
         return f"Report({len(self.sites)} sites: {self.counts()})"

@@ -278,7 +278,12 @@ def module_path(node: Node) -> str | None:
     # (transformers' forward wrappers) hands the module to the traced function.
     path = re.sub(r"^(?:L\['\w+'\](?:\[\d+\])*|self)\.?", "", path)
     path = path.replace("['", ".").replace("']", "")
-    return path or None
+    # Wrappers between a module and its children, as named_modules() does not show them: a
+    # bound method's closure (torchtitan replaces forward with one), activation checkpointing's,
+    # FSDP's and torch.compile's wrapper attributes.
+    path = re.sub(r"(?:^|\.)\w+\.__closure__\[\d+\]\.cell_contents(?:\.__self__)?", "", path)
+    path = re.sub(r"(?:^|\.)(?:_checkpoint_wrapped_module|_fsdp_wrapped_module|_orig_mod)(?=\.|$)", "", path)
+    return path.strip(".") or None
 
 
 def in_graph_order(nodes) -> list[Node]:

@@ -385,3 +385,29 @@ def test_auto_leaves_small_sites_alone(fake_mesh8):
     assert sites and all(s.status == "skipped" and "predicted gain" in s.reason for s in sites)
     assert all("profile 'cpu-default'" in s.reason and s.details["predicted"]["gain"] < 0.03 for s in sites)
     assert [auto_chunks(n) for n in (16, 64, 96, 128, 100000)] == [2, 2, 3, 4, 4]
+
+def test_unmatched_overrides_are_listed(fake_mesh8, caplog):
+    model, inputs = llama.build_tp_sp(fake_mesh8, n_layers=1)
+    report = overlapc.explain(model, *inputs, options={"strategy": "none", "overrides": {
+        "*:layers.*.attention.wo:*": {"chunks": 2}, "*:layers.*.attn.wo:*": {"chunks": 2}}})
+    assert report.unmatched_overrides == ["*:layers.*.attn.wo:*"]
+    assert "overrides that matched no site: '*:layers.*.attn.wo:*'" in str(report)
+    assert any("matched no site" in r.getMessage() and "attn.wo" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("raw,want", [
+    # torchtitan's parallelize replaces forward with a closure over the module
+    ("L['self']._modules['layers']._modules['0']._modules['attention'].forward.__closure__[0].cell_contents"
+     ".__self__._modules['wo']", "layers.0.attention.wo"),
+    ("L['self'].layers['0']._checkpoint_wrapped_module.attention.wq", "layers.0.attention.wq"),  # AC wrapper
+    ("L['self']._orig_mod.layers.1.feed_forward", "layers.1.feed_forward"),  # an OptimizedModule inside
+    ("L['args'][0].model.layers.0.self_attn.o_proj", "model.layers.0.self_attn.o_proj"),  # transformers
+])
+def test_module_paths_are_user_fqns(raw, want):
+    from torch.fx import Graph
+
+    from overlapc.passes import ops
+
+    node = Graph().placeholder("x")
+    node.meta["nn_module_stack"] = {"k": (raw, torch.nn.Linear)}
+    assert ops.module_path(node) == want
