@@ -16,6 +16,7 @@ Definitions (all measured in the same run, interleaved):
 from __future__ import annotations
 
 import json
+import math
 import operator
 import os
 import random
@@ -101,8 +102,9 @@ def collective_calls(report, graphs=("forward", "backward", "inference")) -> lis
     """The collectives of a compiled step, from its report (every collective is in it)."""
     out = []
     for s in report.sites:
-        if s.graph in graphs and s.shapes.get("input") is not None:
-            out.append({"op": s.collective_op, "shape": s.shapes["input"], "dtype": s.dtype,
+        # an all_reduce_sum row describes a merge; its all-reduce is another row's collective
+        if s.graph in graphs and s.shapes.get("input") is not None and s.pattern != "all_reduce_sum":
+            out.append({"op": s.collective_op, "shape": s.shapes["input"], "dtype": s.dtype, "graph": s.graph,
                         "group": s.group, "world": s.world_size, "reduce": s.details.get("reduce_op", "sum")})
     # Sizes known only at run time (a dropless MoE's combine sends what its experts got):
     # replayed at the size of the largest all-to-all of known size (the dispatch), evenly split.
@@ -113,6 +115,18 @@ def collective_calls(report, graphs=("forward", "backward", "inference")) -> lis
                 raise ValueError(f"cannot replay {c['op']} of run-time shape {c['shape']}")
             c["shape"] = [max(known), *c["shape"][1:]]
             c["approx"] = True
+    return out
+
+
+def payload_bytes(report, graphs=("forward", "backward", "inference")) -> dict[str, dict[str, int]]:
+    """{graph: {collective op: bytes}}: what each rank hands its collectives in a step, summed
+    over the collectives of the compiled graphs (chunks included). An all-reduce's ring sends
+    2 (W-1)/W of its payload; the payload is the number a rewrite changes."""
+    out: dict[str, dict[str, int]] = {}
+    for c in collective_calls(report, graphs):
+        n = math.prod(c["shape"]) * torch.empty((), dtype=getattr(torch, c["dtype"])).element_size()
+        g = out.setdefault(c["graph"], {})
+        g[c["op"]] = g.get(c["op"], 0) + n
     return out
 
 

@@ -135,6 +135,9 @@ def bench_job(cfg: dict) -> dict:
         t = statistics.median(times[name])
         result["variants"][name] = {"options": opts, "t": t, "speedup": result["t_base"] / t,
                                     "efficiency": (result["t_base"] - t) / denom}
+    # Collective payloads each compiled step hands its process group, by graph and op.
+    result["bytes"] = {name: common.payload_bytes(be.report, graphs) for name, (_, _, be, _) in variants.items()
+                       if name != "compute"}
     result["n_collectives"] = len(calls)
     result["comm_approx"] = any(c.get("approx") for c in calls)
     rep = variants["overlapc"][2].report
