@@ -70,10 +70,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-write", action="store_true", help="print only (no JSON, no BENCHMARKS.md)")
     args = ap.parse_args(argv)
 
+    import torch.distributed as dist
+
     from benchmarks import common
     from overlapc.cli import fake_world
-
-    import torch.distributed as dist
     if dist.is_initialized() and dist.get_backend() == "fake" and dist.get_world_size() == args.world:
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (args.world,))  # one already here (a test session's): keep it

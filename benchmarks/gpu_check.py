@@ -469,7 +469,7 @@ def fused_ops_rank(rank: int, world: int, port: int) -> dict:
                 fused._TUNED[("ag", Mg, N, K, dtype, dev.type)] = cfg  # autotuning would time local scratch only
                 ref = full.float() @ b.float()
                 errs = []
-                for call in range(2):  # two calls: the second waits on the first's done words
+                for _call in range(2):  # two calls: the second waits on the first's done words
                     g, outs = fused.all_gather_matmul(shards[rank], [b], d, gname, chunks=4, timeout=15.0,
                                                       return_a=True, min_flops=0)
                     errs.append((outs[0].float() - ref).abs().max().item())
@@ -481,7 +481,7 @@ def fused_ops_rank(rank: int, world: int, port: int) -> dict:
                 fused._TUNED[("rs", M_O, N, K, dtype, dev.type)] = cfg  # no autotuning: the handshake is checked
                 ref = sum(p.float() @ b.float() for p in parts).chunk(world, d)[rank]
                 errs = []
-                for call in range(2):
+                for _call in range(2):
                     out = fused.matmul_reduce_scatter(parts[rank], b, d, gname, timeout=15.0, min_flops=0)
                     errs.append((out.float() - ref).abs().max().item())
             res["cases"].append(dict(kind=kind, shape=list(shape), dim=d, N=N, dtype=str(dtype).split(".")[-1],

@@ -162,7 +162,11 @@ def tp_sp_plan(model: Llama, mesh):
     """Tensor + sequence parallel: activations between blocks are sharded on the sequence (dim 1)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
     )
 
     _check_tp(model.cfg, mesh.size())

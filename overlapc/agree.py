@@ -10,7 +10,7 @@ ranks of each of its groups exchange what they planned, once, through the c10d s
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from .errors import OverlapError
 from .report import Site

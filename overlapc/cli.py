@@ -82,7 +82,7 @@ def _world_size(s: str) -> int:
     try:
         n = int(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {s!r}")
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {s!r}") from None
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {n}")
     return n
@@ -110,7 +110,7 @@ def load_target(spec: str):
     try:
         mod = importlib.import_module(mod_name)
     except Exception as e:  # ImportError, or an error raised while importing it
-        raise UsageError(f"cannot import module {mod_name!r}: {type(e).__name__}: {e}")
+        raise UsageError(f"cannot import module {mod_name!r}: {type(e).__name__}: {e}") from None
     obj = mod
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -142,9 +142,9 @@ def build(args):
     try:
         built = target(mesh, **_kv(args.arg, "arg"))
     except TypeError as e:
-        raise UsageError(f"{args.target}(mesh, ...) failed: {e}")
+        raise UsageError(f"{args.target}(mesh, ...) failed: {e}") from None
     except ValueError as e:
-        raise UsageError(f"{args.target}(mesh, ...) rejected its arguments: {e}")
+        raise UsageError(f"{args.target}(mesh, ...) rejected its arguments: {e}") from None
     if not (isinstance(built, tuple) and len(built) == 2):
         raise UsageError(f"{args.target} must return (model, example_inputs); got {type(built).__name__}")
     model, inputs = built
@@ -165,7 +165,7 @@ def _saved_program(args):
     try:
         ep = torch.export.load(args.target)
     except Exception as e:  # noqa: BLE001 - whatever torch.export.load raises, one line
-        raise UsageError(f"cannot load {args.target!r} as a torch.export program: {type(e).__name__}: {e}")
+        raise UsageError(f"cannot load {args.target!r} as a torch.export program: {type(e).__name__}: {e}") from None
     sizes = {n.args[1] for n in ep.graph.nodes if n.target is ops.ALL_GATHER} \
         | {n.args[2] for n in ep.graph.nodes if n.target is ops.REDUCE_SCATTER}
     has_comm = any(ops.is_collective(n) for n in ep.graph.nodes)
@@ -181,10 +181,9 @@ def cmd_explain(args) -> int:
     from .explain import explain
 
     if args.target.endswith(".pt2"):
-        from .export import rewrite
-
         from collections import Counter
 
+        from .export import rewrite
         from .passes import ops
 
         ep, world = _saved_program(args)
@@ -217,7 +216,7 @@ def cmd_export(args, model, inputs, opts) -> int:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise UsageError(f"torch.export could not export {args.target}: {type(e).__name__}: {first} "
                          "(DTensor-parallelized modules do not export; write the layers with functional "
-                         "collectives, e.g. overlapc.models.megatron)")
+                         "collectives, e.g. overlapc.models.megatron)") from None
     new = rewrite(ep, options=opts)
     torch.export.save(new, args.export)
     print(str(new.overlapc_report))

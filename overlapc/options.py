@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any
 
 from .errors import OverlapError
 
@@ -109,7 +110,7 @@ class Options:
         return [f.name for f in fields(cls)]
 
     @classmethod
-    def from_user(cls, options: Mapping[str, Any] | "Options" | None = None, **kwargs) -> "Options":
+    def from_user(cls, options: Mapping[str, Any] | Options | None = None, **kwargs) -> Options:
         """Merge a dict (or Options) with keyword options; unknown names are an OverlapError."""
         if isinstance(options, Options):
             base = dataclasses.asdict(options)

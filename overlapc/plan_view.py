@@ -99,7 +99,7 @@ def write_trace(report: Report, opts: Options, path: str) -> list[str]:
     fig, ax = plt.subplots(figsize=(12, 2.6))
     rows = {("baseline", "compute"): 3, ("baseline", "comm"): 2, ("plan", "compute"): 1, ("plan", "comm"): 0}
     for which, evs in (("baseline", base_ev), ("plan", plan_ev)):
-        for lane, label, t, d, _ in evs:
+        for lane, _label, t, d, _ in evs:
             y = rows[(which, lane)]
             ax.broken_barh([(t * 1e3, d * 1e3)], (y - 0.4, 0.8),
                            color="#1f4e9c" if lane == "compute" else "#c0392b", edgecolor="white", linewidth=0.3)

@@ -132,7 +132,9 @@ def format_table(sites: list[Site]) -> str:
                      ",".join(s.matmuls), shape, plan, s.reason or ""))
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     widths[-1] = len(head[-1])  # the reason column is last: do not pad it
-    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+    def line(r):
+        return "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+
     out = [line(head), line(tuple("-" * w for w in widths))]
     out += [line(r) for r in rows]
     n_sites = sum(1 for s in sites if s.pattern != "collective")

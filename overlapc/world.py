@@ -23,14 +23,15 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-import socket
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Client, Connection
-from typing import Any, Callable, Sequence
+from typing import Any
 
 
 class WorldError(RuntimeError):
@@ -92,7 +93,7 @@ class World:
                 raise WorldError("world failed to start: a rank exited or did not connect within 120 s")
             try:
                 s, _ = self._listener.accept()
-            except (socket.timeout, OSError):
+            except (TimeoutError, OSError):
                 continue
             s.setblocking(True)
             c = Connection(s.detach())

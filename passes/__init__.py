@@ -56,7 +56,7 @@ def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None) -
     reordered = options.schedule and schedule(gm.graph)
     # Tells the inductor inner compiler to keep this order through its own scheduler.
     gm.meta["overlapc_changed"] = bool(rewritten or reordered or sliced)
-    rows = [s.to_report() for s in sites] + [l.to_report() for l in loose]
+    rows = [s.to_report() for s in sites] + [c.to_report() for c in loose]
     rows.sort(key=lambda r: order.get(r.collective, 0))
     rows = cuts + merged + rows
     gm.graph.lint()

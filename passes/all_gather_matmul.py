@@ -22,9 +22,17 @@ from torch.fx import Graph, Node
 from . import ops
 from .build import Builder, chunk_sizes, movedim_perm
 from .deps import DepGraph
+from .normalize import (
+    Dims,
+    NoProducer,
+    Use,
+    erase_collective,
+    matmul_producer,
+    matmul_uses,
+    remove_dead_nodes,
+    split_cat_gather,
+)
 from .rows import ROW_CHUNKS, RowChunks, row_layout, static_shape
-from .normalize import (Dims, NoProducer, Use, erase_collective, matmul_producer, matmul_uses,
-                        remove_dead_nodes, split_cat_gather)
 from .sites import ConsumerSite, Loose
 
 

@@ -27,8 +27,7 @@ from dataclasses import dataclass
 from torch.fx import Graph, Node
 
 from . import axis as ax
-from . import dropless
-from . import ops
+from . import dropless, ops
 from .build import Builder, chunk_sizes
 from .deps import DepGraph
 from .normalize import Dims, NoProducer, erase_collective, matmul_producer, matmul_uses, remove_dead_nodes
@@ -266,7 +265,7 @@ class _Gemms:
             acc[0] += flops
             acc[1] += flops / rows
 
-    def merge(self, other: "_Gemms") -> None:
+    def merge(self, other: _Gemms) -> None:
         self.flops += other.flops
         self.count += other.count
         self.batched |= other.batched

@@ -295,7 +295,7 @@ def _on_curve(points, nbytes: float, latency: float) -> float:
 
 def _interp(pts, x: float) -> float:
     """Piecewise-linear through (x, y) points; past the last, on the last segment's slope."""
-    for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
+    for (b0, t0), (b1, t1) in zip(pts, pts[1:]):  # noqa: B007 -- the segment found is used below
         if x <= b1:
             break  # else the last segment, extended
     return t0 + (t1 - t0) * (x - b0) / (b1 - b0) if b1 > b0 else t1
@@ -327,7 +327,7 @@ class Stage:
                 "after_count": self.after_count, "after_rows": self.after_rows, "batched": self.batched,
                 "out_bytes": self.out_bytes, "out_whole": self.out_whole}
 
-    def t_after(self, gemm: "Gemm"):
+    def t_after(self, gemm: Gemm):
         """Time of the deferred GEMMs (whole rows, as in the baseline)."""
         if not self.after:
             return sympy.Integer(0)

@@ -104,7 +104,7 @@ def find_pipeline(coll: Node, deps: DepGraph) -> Pipeline:
                     continue
                 if p.combine is coll:
                     return p
-        raise why
+        raise why from None
     return p
 
 
@@ -293,7 +293,7 @@ def pipeline_matmuls(p: Pipeline) -> list[Node]:
     return [n for n in p.nodes if n.target in GEMMS]
 
 
-_BALANCED_ROWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_BALANCED_ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """ShapeEnv -> {sum of a dispatch's run-time send splits: the rows it sends}. A forward
 pipeline sends a number of rows (T * top_k) cut by run-time splits; the backward's pipeline
 sends the gradient of what the forward's combine returned, whose rows are those same

@@ -218,7 +218,7 @@ def _rewrite(gm: GraphModule, split: Node, cat: Node, deps: DepGraph) -> list[st
         order.append(nodes)
         return "rows"
 
-    for g, o in enumerate(outs):
+    for _g, o in enumerate(outs):
         if not isinstance(o, Node):
             raise NotALoop(f"{cat.name} joins a non-tensor")
     if match(tuple(outs)) != "rows":

@@ -6,14 +6,14 @@ AG -> mm -> RS chain shares its matmul) is re-checked and skipped with its reaso
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from torch.fx import Graph
 
 from . import all_gather_matmul as agm
-from . import fuse
 from . import all_to_all as a2a
+from . import fuse
 from . import matmul_all_reduce as mar
 from . import matmul_reduce_scatter as mrs
 from .deps import DepGraph

@@ -31,16 +31,16 @@ def find_sites(graph: Graph, graph_kind: str, deps: DepGraph | None = None
     sites: list[MatchedSite] = []
     loose: list[Loose] = []
     for finder in FINDERS:
-        s, l = finder(graph, deps)
-        sites += s
-        loose += l
-    handled = {s.coll for s in sites} | {l.coll for l in loose}
+        found, unmatched = finder(graph, deps)
+        sites += found
+        loose += unmatched
+    handled = {s.coll for s in sites} | {c.coll for c in loose}
     for node in graph.nodes:
         if ops.is_collective(node) and node not in handled:
             loose.append(Loose(node, f"{ops.collective_name(node)} is not a collective overlapc matches"))
     order = {n: i for i, n in enumerate(graph.nodes)}
     sites.sort(key=lambda s: (order[s.coll], s.pattern))
-    loose.sort(key=lambda l: order[l.coll])
+    loose.sort(key=lambda c: order[c.coll])
     name_sites(sites, loose, graph_kind)
     return sites, loose
 

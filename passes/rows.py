@@ -13,7 +13,7 @@ same order per row::
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from torch.fx import Node
 

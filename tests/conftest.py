@@ -5,7 +5,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 # Tests compile many small graphs; keep each process to one intra-op thread.
 torch.set_num_threads(1)

@@ -246,8 +246,9 @@ def test_moe_dropless_matches_eager(world_name, request):
 
 def mixing_body_job() -> list:
     """A dispatch whose body mixes rows (a sum over them): reported, left alone, still right."""
-    import overlapc
     from torch.distributed import _functional_collectives as fc
+
+    import overlapc
 
     rank, world = dist.get_rank(), dist.get_world_size()
     w = torch.randn(16, 16, generator=torch.Generator().manual_seed(0))
@@ -413,7 +414,7 @@ def test_ulysses_matches_eager(world_name, request):
         axes = {heads // n, config.get("batch", 2)}
         for r in world.run(ulysses_job, config):
             assert [g for g, *_ in r] == ["backward", "forward"], (config, r)
-            for g, status, k, extent in r:
+            for _g, status, k, extent in r:
                 assert status == "rewritten" and extent in axes and k == min(chunks, extent), (config, r)
 
 

@@ -3,8 +3,6 @@ in a real gloo world: every rank returns the same numbers, and a replay that can
 raises on every rank."""
 from __future__ import annotations
 
-import pytest
-
 
 def _loaded(dtype: str):
     import torch

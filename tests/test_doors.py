@@ -15,7 +15,6 @@ import torch.distributed._functional_collectives as funcol
 import overlapc
 from overlapc import Options, OverlapError
 
-
 # ---------------------------------------------------------------- options
 
 def test_options_defaults_and_merge():

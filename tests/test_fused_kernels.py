@@ -26,6 +26,7 @@ import torch.distributed._functional_collectives as funcol
 
 from overlapc.runtime import symm
 
+
 @pytest.fixture(autouse=True)
 def no_segment_left():
     """No test, passing or failing, leaves an overlapc segment in /dev/shm."""

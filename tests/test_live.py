@@ -119,7 +119,6 @@ def disk_cache_job(cache_dir: str, corrupt: bool) -> dict:
     """Job: a fresh process memory (memo cleared) reads rank 0's disk cache; a corrupt file
     is ignored with a warning and measured again."""
     import warnings
-
     from pathlib import Path
 
     import overlapc

@@ -88,7 +88,7 @@ def _check(results, config):
     for r in results:
         graphs = {g for g, *_ in r["cuts"]}
         assert graphs == {"forward", "backward"}, r["cuts"]
-        for graph, status, chunks, colls in r["cuts"]:
+        for _graph, status, chunks, colls in r["cuts"]:
             assert status == "rewritten" and chunks == slices and colls >= 4, r["cuts"]
         if config["options"]["strategy"] == "decompose":
             assert r["sites"] and all(st == "rewritten" for *_, st in r["sites"]), r["sites"]

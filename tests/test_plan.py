@@ -538,7 +538,7 @@ def test_moe_axis_is_the_models_choice(fake_mesh8, tmp_path, half_rows, batched,
     path = tmp_path / f"rows{half_rows}-{batched}.json"
     path.write_text(json.dumps(prof))
     report = _moe_plan(fake_mesh8, str(path), tokens=8192, dim=2048, hidden=4096, n_experts=32)
-    local, cap = 32 // 8, None
+    local = 32 // 8
     for s in report.sites:
         if s.pattern == "collective" or not s.details.get("predicted"):
             continue

@@ -176,11 +176,11 @@ def test_inductor_keeps_the_overlap(fake_mesh8):
     fn = torch.compile(ag_mm_rs, backend=be)
     _, codes = run_and_get_code(fn, *_inputs())
     code = "\n".join(codes)
-    lines = [l.strip() for l in code.splitlines()
-             if "all_gather_into_tensor.default(" in l or "wait_tensor.default(" in l
-             or "extern_kernels.mm(" in l or "reduce_scatter_tensor.default(" in l]
-    kinds = ["ag" if "all_gather" in l else "rs" if "reduce_scatter" in l else "wait" if "wait" in l else "mm"
-             for l in lines]
+    lines = [ln.strip() for ln in code.splitlines()
+             if "all_gather_into_tensor.default(" in ln or "wait_tensor.default(" in ln
+             or "extern_kernels.mm(" in ln or "reduce_scatter_tensor.default(" in ln]
+    kinds = ["ag" if "all_gather" in ln else "rs" if "reduce_scatter" in ln else "wait" if "wait" in ln else "mm"
+             for ln in lines]
     # every gather issued up front, then: wait, GEMM(s) of that chunk, wait, GEMM(s), ...
     assert kinds[:CHUNKS] == ["ag"] * CHUNKS, kinds
     first_mm = kinds.index("mm")

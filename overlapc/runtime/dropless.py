@@ -190,7 +190,7 @@ class DroplessPipeline:
 
         # Rows come home: chunk c of my block for rank r is rows [b(c), b(c+1)) of that block.
         backs = []
-        for c, (cw, back) in enumerate(combined):
+        for _c, (cw, back) in enumerate(combined):
             cw.wait()
             backs.append(back)
         result = _place(backs, start_in, b_in, xs.shape[0])

@@ -308,8 +308,8 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, scatter_dim: int, gr
         symm.discard(ws)
         raise
 
-    from overlapc.kernels.gemm import gemm_rs_producer, rs_reduce_consumer
     from overlapc.kernels import tl_dtype
+    from overlapc.kernels.gemm import gemm_rs_producer, rs_reduce_consumer
     gemm_rs_producer[(world * tiles,)](
         a2, b, ws.buffer_ptrs, ws.signal_ptrs,
         M_O, N, K, world, rank, inner, epoch,

@@ -29,7 +29,7 @@ kernel of its own either: its speed is that of the loop it replaces).
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional  # noqa: UP035 -- see _grouped_mm_loop's signature
 
 import torch
 

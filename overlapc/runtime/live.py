@@ -212,7 +212,7 @@ class _Link:
         self.pg, self.gloo, self.device = pg, gloo, device
 
     @classmethod
-    def open(cls, backend: str, ranks: list[int], nonce: str, options) -> "_Link":
+    def open(cls, backend: str, ranks: list[int], nonce: str, options) -> _Link:
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import _get_default_store
 
