@@ -7,6 +7,7 @@ passes/all_to_all._one_at_a_time left out). Emulated cluster, interleaved rounds
 
 Prints the median step times (ms) per chunk count. A measurement, not a test.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,9 @@ import torch.distributed as dist
 
 from benchmarks import common, harness
 
-MODEL = dict(tokens=1024, dim=1024, hidden=2048, n_experts=8, top_k=2, capacity_factor=1.25,
-             expert_form="bmm", dtype="float32")
+MODEL = dict(
+    tokens=1024, dim=1024, hidden=2048, n_experts=8, top_k=2, capacity_factor=1.25, expert_form="bmm", dtype="float32"
+)
 
 
 def ab_job(mode: str, chunks, iters: int) -> dict:
@@ -32,8 +34,11 @@ def ab_job(mode: str, chunks, iters: int) -> dict:
     steps = {}
     edges = all_to_all._one_at_a_time
     for name in ("base", "one_at_a_time", "all_at_once"):
-        o = (Options(inner="eager", strategy="none", schedule=False) if name == "base"
-             else Options(inner="eager", strategy="decompose", chunks=chunks))
+        o = (
+            Options(inner="eager", strategy="none", schedule=False)
+            if name == "base"
+            else Options(inner="eager", strategy="decompose", chunks=chunks)
+        )
         torch.manual_seed(0)
         model, inputs = moe.build_ep(mesh, **MODEL)
         step = harness._step_fn(torch.compile(model, backend=Backend(o)), model, inputs, mode)
@@ -65,9 +70,11 @@ def main(argv=None):
                 ch = ch if ch == "auto" else int(ch)
                 r = world.run(ab_job, args.mode, ch, args.iters)[0]
                 times = "  ".join(f"{k} {v} ms" for k, v in r.items())
-                print(f"world {args.world} {args.rate:g} Mbit/s {args.mode} chunks {ch}: {times}  speedup "
-                      f"{r['base'] / r['one_at_a_time']:.2f}x (all at once {r['base'] / r['all_at_once']:.2f}x)",
-                      flush=True)
+                print(
+                    f"world {args.world} {args.rate:g} Mbit/s {args.mode} chunks {ch}: {times}  speedup "
+                    f"{r['base'] / r['one_at_a_time']:.2f}x (all at once {r['base'] / r['all_at_once']:.2f}x)",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ times the baseline and, in the same run:
 "default / best" is the default's speedup over the best of the last three. Writes
 benchmarks/reports/DATE_HOST_defaults_MODEL.md and a section of BENCHMARKS.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,13 +30,23 @@ from benchmarks import common, harness
 
 MODELS = {
     # Small enough that a step takes well under a second at 60 Mbit/s (wire-bound there).
-    "tp_sp": ("overlapc.models.llama:build_tp_sp", "TP+SP Llama",
-              dict(n_layers=1, dim=512, n_heads=8, ffn_dim=1408, vocab_size=256, batch=2, seq=256)),
-    "moe": ("overlapc.models.moe:build_ep", "EP MoE (capacity form)",
-            dict(dim=256, hidden=512, n_experts=8, top_k=2, tokens=256)),
+    "tp_sp": (
+        "overlapc.models.llama:build_tp_sp",
+        "TP+SP Llama",
+        dict(n_layers=1, dim=512, n_heads=8, ffn_dim=1408, vocab_size=256, batch=2, seq=256),
+    ),
+    "moe": (
+        "overlapc.models.moe:build_ep",
+        "EP MoE (capacity form)",
+        dict(dim=256, hidden=512, n_experts=8, top_k=2, tokens=256),
+    ),
 }
-VARIANTS = [["default", "hardware=null"], ["measure", "hardware=null", "measure=true"],
-            ["auto-calibrated", "strategy=auto"], ["slices", "microbatches=2", "strategy=none"]]
+VARIANTS = [
+    ["default", "hardware=null"],
+    ["measure", "hardware=null", "measure=true"],
+    ["auto-calibrated", "strategy=auto"],
+    ["slices", "microbatches=2", "strategy=none"],
+]
 BEST_OF = ("decompose", "auto-calibrated", "slices")
 
 
@@ -51,8 +62,16 @@ def main(argv=None) -> int:
     bench = harness.Bench(builder=builder, stem=f"defaults_{args.model}", section="", title=title, describe="")
     rows = []
     for rate in args.rates:
-        run_args = argparse.Namespace(world_sizes=args.world_sizes, modes=args.modes, rate=str(rate), inner="eager",
-                                      chunks="auto", iters=args.iters, variant=VARIANTS, timeline=False)
+        run_args = argparse.Namespace(
+            world_sizes=args.world_sizes,
+            modes=args.modes,
+            rate=str(rate),
+            inner="eager",
+            chunks="auto",
+            iters=args.iters,
+            variant=VARIANTS,
+            timeline=False,
+        )
         rows += harness.run(bench, model, run_args)
     cmd = "sudo python -m benchmarks.bench_defaults " + " ".join(sys.argv[1:] if argv is None else argv)
     write_report(args.model, title, model, rows, cmd)
@@ -64,34 +83,43 @@ def _cell(t_base: float, t: float) -> str:
 
 
 def write_report(name: str, title: str, model: dict, rows: list[dict], cmd: str) -> str:
-    lines = [f"{title} ({', '.join(f'{k} {v}' for k, v in model.items())}, fp32, inner eager), emulated "
-             "cluster (one network namespace per rank, veth + tbf), one torch thread per rank, 2 CPU cores. "
-             "Medians of interleaved steps; speedups against T_base in the same run.", "",
-             f"Reproduce: `{cmd}`", "",
-             "| link Mbit/s | world | step | T_base | T_comm | T_compute | default | measure | decompose | "
-             "auto-calibrated | slices | default / best |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{title} ({', '.join(f'{k} {v}' for k, v in model.items())}, fp32, inner eager), emulated "
+        "cluster (one network namespace per rank, veth + tbf), one torch thread per rank, 2 CPU cores. "
+        "Medians of interleaved steps; speedups against T_base in the same run.",
+        "",
+        f"Reproduce: `{cmd}`",
+        "",
+        "| link Mbit/s | world | step | T_base | T_comm | T_compute | default | measure | decompose | "
+        "auto-calibrated | slices | default / best |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         v = {n: x["t"] for n, x in r.get("variants", {}).items()}
         v["decompose"] = r["t_overlapc"]
         best = min(v[n] for n in BEST_OF if n in v)
-        lines.append(f"| {r['rate_mbit']:.0f} | {r['world_size']} | {r['mode']} | {r['t_base'] * 1e3:.0f} ms | "
-                     f"{r['t_comm'] * 1e3:.0f} ms | {r['t_compute'] * 1e3:.0f} ms | "
-                     + " | ".join(_cell(r["t_base"], v[n]) if n in v else "n/a"
-                                  for n in ("default", "measure", *BEST_OF))
-                     + f" | {best / v['default']:.2f} |")
+        lines.append(
+            f"| {r['rate_mbit']:.0f} | {r['world_size']} | {r['mode']} | {r['t_base'] * 1e3:.0f} ms | "
+            f"{r['t_comm'] * 1e3:.0f} ms | {r['t_compute'] * 1e3:.0f} ms | "
+            + " | ".join(_cell(r["t_base"], v[n]) if n in v else "n/a" for n in ("default", "measure", *BEST_OF))
+            + f" | {best / v['default']:.2f} |"
+        )
     body = "\n".join(lines)
     stamp = time.strftime("%Y-%m-%d_%H%M")
     os.makedirs(os.path.join(common.ROOT, "benchmarks", "reports"), exist_ok=True)
     path = os.path.join(common.ROOT, "benchmarks", "reports", f"{stamp}_{socket.gethostname()}_defaults_{name}.md")
     with open(path, "w") as f:
-        f.write(f"# Defaults against the best variant: {title}\n\n{time.strftime('%Y-%m-%d %H:%M')} UTC, "
-                f"host {socket.gethostname()}\n\n{body}\n")
+        f.write(
+            f"# Defaults against the best variant: {title}\n\n{time.strftime('%Y-%m-%d %H:%M')} UTC, "
+            f"host {socket.gethostname()}\n\n{body}\n"
+        )
     common.write_json(f"defaults_{name}.json", rows)
     reports = sorted(f for f in os.listdir(os.path.dirname(path)) if f.endswith(f"_defaults_{name}.md"))
     links = ", ".join(f"[{f}](benchmarks/reports/{f})" for f in reports)
-    common.update_benchmarks_md(f"Defaults against the best variant, {title} (issue 32)",
-                                body + f"\n\nThis run and the others at other rates or worlds: {links}.")
+    common.update_benchmarks_md(
+        f"Defaults against the best variant, {title} (issue 32)",
+        body + f"\n\nThis run and the others at other rates or worlds: {links}.",
+    )
     print(body)
     return path
 

@@ -20,6 +20,7 @@ choice (and of every fixed count), the error of the prediction, and how far the 
 chunk count lands from the best fixed count of the sweep. Writes
 benchmarks/results/plan.json and a section of BENCHMARKS.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,18 +59,22 @@ def plan_job(kind: str, shape, profile_path: str, iters: int) -> dict:
     world, group = dist.get_world_size(), dist.group.WORLD
     M, K, N = shape
     if kind == "ag_mm":
-        x, w, fn = torch.randn(M // world, K), torch.randn(K, N) / K ** 0.5, ag_mm
+        x, w, fn = torch.randn(M // world, K), torch.randn(K, N) / K**0.5, ag_mm
     elif kind == "mm_rs":
-        x, w, fn = torch.randn(M, K // world), torch.randn(K // world, N) / K ** 0.5, mm_rs
+        x, w, fn = torch.randn(M, K // world), torch.randn(K // world, N) / K**0.5, mm_rs
     else:  # a whole MoE layer: its region (dispatch, experts, combine) and the routing around it
         from torch.distributed.device_mesh import init_device_mesh
 
         from overlapc.models import moe
-        layer, (tokens,) = moe.build_ep(init_device_mesh("cpu", (world,)), tokens=M, dim=K, hidden=N,
-                                         capacity_factor=1.25)
+
+        layer, (tokens,) = moe.build_ep(
+            init_device_mesh("cpu", (world,)), tokens=M, dim=K, hidden=N, capacity_factor=1.25
+        )
         x, w, fn = tokens.detach(), None, lambda x, w, group: layer(x)
-    variants = {"base": Options(inner="eager", strategy="none", schedule=False, hardware=profile_path),
-                "auto": Options(inner="eager", strategy="decompose", chunks="auto", hardware=profile_path)}
+    variants = {
+        "base": Options(inner="eager", strategy="none", schedule=False, hardware=profile_path),
+        "auto": Options(inner="eager", strategy="decompose", chunks="auto", hardware=profile_path),
+    }
     for n in CHUNKS:
         variants[f"n{n}"] = Options(inner="eager", strategy="decompose", chunks=n, hardware=profile_path)
     # Each variant is one more dynamo compile of fn (a new backend fails BACKEND_MATCH); past
@@ -86,6 +91,7 @@ def plan_job(kind: str, shape, profile_path: str, iters: int) -> dict:
                 out = c(x, w, group)
                 if isinstance(out, funcol.AsyncCollectiveTensor):
                     out.wait()
+
         steps[name] = step
     for s in steps.values():
         s()
@@ -95,8 +101,16 @@ def plan_job(kind: str, shape, profile_path: str, iters: int) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     site = next(s for s in reports["auto"].report.sites if s.pattern != "collective" and s.details.get("predicted"))
     pred = site.details["predicted"]
-    return {"kind": kind, "shape": list(shape), "world": world, "t": med, "predicted": pred,
-            "auto_chunks": site.chunks, "rounds": rounds, "spread": {k: [min(v), max(v)] for k, v in times.items()}}
+    return {
+        "kind": kind,
+        "shape": list(shape),
+        "world": world,
+        "t": med,
+        "predicted": pred,
+        "auto_chunks": site.chunks,
+        "rounds": rounds,
+        "spread": {k: [min(v), max(v)] for k, v in times.items()},
+    }
 
 
 def _rounds(step, iters: int, budget_s: float = 1.5, most: int = 31) -> int:
@@ -117,9 +131,12 @@ def run(args) -> list[dict]:
             with EmulatedCluster(world_size, rate_mbit=rate) as cluster:
                 with cluster.world(timeout=3600) as world:
                     path, prof = harness._calibrated_profile(world, world_size, rate)
-                    print(f"w{world_size} {rate:g} Mbit/s: alpha {prof['link']['alpha_us']:.0f} us, beta "
-                          f"{prof['link']['beta_gbps'] * 1e3:.1f} MB/s, rs_factor {prof['rs_factor']}, fp32 GEMM "
-                          f"{prof['gemm']['float32']['peak_tflops'] * 1e3:.0f} GFLOP/s", flush=True)
+                    print(
+                        f"w{world_size} {rate:g} Mbit/s: alpha {prof['link']['alpha_us']:.0f} us, beta "
+                        f"{prof['link']['beta_gbps'] * 1e3:.1f} MB/s, rs_factor {prof['rs_factor']}, fp32 GEMM "
+                        f"{prof['gemm']['float32']['peak_tflops'] * 1e3:.0f} GFLOP/s",
+                        flush=True,
+                    )
                     try:
                         for kind in args.kinds:
                             for shape in MOE_SHAPES if kind == "moe" else SHAPES:
@@ -152,6 +169,7 @@ def _score(r: dict) -> dict:
 
     def predicted(k):
         return _predicted_speedup(r["kind"], p["base_ms"] / 1e3, p["by_chunks_ms"][str(k)] / 1e3, t["base"])
+
     r["measured_speedup"] = t["base"] / t["auto"]
     r["predicted_speedup"] = predicted(n)
     r["error"] = (r["predicted_speedup"] - r["measured_speedup"]) / r["measured_speedup"]
@@ -163,16 +181,19 @@ def _score(r: dict) -> dict:
     # auto variant, timed in the same run): separates the choice from timing noise.
     r["count_vs_best"] = fixed[n] / fixed[best_n] - 1 if n in fixed else r["auto_vs_best"]
     r["noise"] = abs(t["auto"] / fixed[n] - 1) if n in fixed else None
-    r["fixed_errors"] = {str(k): predicted(k) / (t["base"] / v) - 1
-                         for k, v in fixed.items() if str(k) in p["by_chunks_ms"]}
+    r["fixed_errors"] = {
+        str(k): predicted(k) / (t["base"] / v) - 1 for k, v in fixed.items() if str(k) in p["by_chunks_ms"]
+    }
     return r
 
 
 def _line(r):
-    return (f"w{r['world']} {r['rate_mbit']:5.0f} Mbit/s {r['kind']:5s} {r['shape']}  base {r['t']['base'] * 1e3:6.1f} ms"
-            f"  auto n={r['auto_chunks']} {r['t']['auto'] * 1e3:6.1f} ms  speedup measured {r['measured_speedup']:.2f}x"
-            f" predicted {r['predicted_speedup']:.2f}x (err {r['error']:+.0%})  best fixed n={r['best_fixed']}"
-            f" (auto {r['auto_vs_best']:+.1%})")
+    return (
+        f"w{r['world']} {r['rate_mbit']:5.0f} Mbit/s {r['kind']:5s} {r['shape']}  base {r['t']['base'] * 1e3:6.1f} ms"
+        f"  auto n={r['auto_chunks']} {r['t']['auto'] * 1e3:6.1f} ms  speedup measured {r['measured_speedup']:.2f}x"
+        f" predicted {r['predicted_speedup']:.2f}x (err {r['error']:+.0%})  best fixed n={r['best_fixed']}"
+        f" (auto {r['auto_vs_best']:+.1%})"
+    )
 
 
 def _site_gain(r) -> float:
@@ -195,12 +216,14 @@ def report(rows, cmd: str) -> None:
     lines = [
         "Single-site programs (fp32, inner eager): AllGather -> mm and mm -> ReduceScatter of "
         f"(M, K, N) in {SHAPES}, and the MoE layer's forward (fp32, capacity form, bmm experts, 8 experts, "
-        f"top-2, capacity factor 1.25; (tokens per rank, dim, hidden) in {MOE_SHAPES}), world sizes {sorted({r['world'] for r in rows})}, link rates "
+        f"top-2, capacity factor 1.25; (tokens per rank, dim, hidden) in {MOE_SHAPES}), "
+        f"world sizes {sorted({r['world'] for r in rows})}, link rates "
         f"{sorted({r['rate_mbit'] for r in rows})} Mbit/s on the emulated cluster. The profile of each "
         "(world, rate) is calibrated in the same run (`overlapc calibrate` inside the cluster). Measured: "
         "medians of interleaved steps (each round in a new random order; "
         f"{min(r.get('rounds', 7) for r in rows)}-{max(r.get('rounds', 7) for r in rows)} rounds: "
-        "at least --iters, more for short steps, about 1.5 s per variant), baseline vs the planner's chunk count (strategy decompose, chunks auto) "
+        "at least --iters, more for short steps, about 1.5 s per variant), baseline vs the planner's chunk count "
+        "(strategy decompose, chunks auto) "
         f"vs fixed counts {CHUNKS}.",
         "",
         f"Reproduce: `{cmd}`",
@@ -212,7 +235,7 @@ def report(rows, cmd: str) -> None:
         f"own time); {within_count} of {len(rows)} judged by the sweep's time for the same count. Timing "
         f"noise (planner variant vs the fixed variant with the same count, the same program): "
         + (f"median {statistics.median(noise):.1%}, max {max(noise):.1%}." if noise else "n/a."),
-        f"- Decisions of strategy=\"auto\" (rewrite only when the predicted gain clears min_gain = "
+        f'- Decisions of strategy="auto" (rewrite only when the predicted gain clears min_gain = '
         f"{rows[0]['profile']['min_gain']:.0%}): {right} of {len(rows)} agree with the measurement (rewrite "
         f"where it measured at least as fast as the baseline, skip where it measured slower); "
         f"{slower_kept} kept sites measured more than 3% slower.",
@@ -222,10 +245,12 @@ def report(rows, cmd: str) -> None:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['world']} | {r['rate_mbit']:g} | {r['kind']} | {', '.join(map(str, r['shape']))} | "
-                     f"{r['t']['base'] * 1e3:.1f} | {r['auto_chunks']} | {r['t']['auto'] * 1e3:.1f} | "
-                     f"{r['measured_speedup']:.2f}x | {r['predicted_speedup']:.2f}x | {r['error']:+.1%} | "
-                     f"{r['best_fixed']} | {r['auto_vs_best']:+.1%} |")
+        lines.append(
+            f"| {r['world']} | {r['rate_mbit']:g} | {r['kind']} | {', '.join(map(str, r['shape']))} | "
+            f"{r['t']['base'] * 1e3:.1f} | {r['auto_chunks']} | {r['t']['auto'] * 1e3:.1f} | "
+            f"{r['measured_speedup']:.2f}x | {r['predicted_speedup']:.2f}x | {r['error']:+.1%} | "
+            f"{r['best_fixed']} | {r['auto_vs_best']:+.1%} |"
+        )
     common.update_benchmarks_md("Planner: predicted vs measured (issue 5)", "\n".join(lines))
 
 
@@ -247,14 +272,21 @@ def rescore(path: str, overrides: dict | None = None) -> dict:
         prof = dict(r["profile"])
         for key in ("*", f"{r['world']},{r['rate_mbit']:g}"):
             prof.update((overrides or {}).get(key, {}))
-        pred = cost.predict_stages([cost.Stage(**d) for d in p["stages"]], r["world"], "float32",
-                                   cost.profile_from_dict(prof), p["extent"], p.get("copy_bytes") or 0,
-                                   p.get("add_bytes") or 0)
+        pred = cost.predict_stages(
+            [cost.Stage(**d) for d in p["stages"]],
+            r["world"],
+            "float32",
+            cost.profile_from_dict(prof),
+            p["extent"],
+            p.get("copy_bytes") or 0,
+            p.get("add_bytes") or 0,
+        )
         per = pred.per_chunks
         n = plan.pick_count(per)
 
         def speedup(k):
             return _predicted_speedup(r["kind"], pred.base, per[k], t["base"])
+
         fixed = _fixed(t)
         fixed_errs += [abs(speedup(k) * fixed[k] / t["base"] - 1) for k in fixed if k in per]
         # the count's measured time: the sweep's, else the planner variant's where it picked the same
@@ -263,12 +295,20 @@ def rescore(path: str, overrides: dict | None = None) -> dict:
             judged += 1
             within += t_n / min(fixed.values()) - 1 <= 0.05
             errs.append(abs(speedup(n) * t_n / t["base"] - 1))
-    out = {"path": path, "judged": judged, "within_5pct": within, "median_error": statistics.median(errs),
-           "max_error": max(errs), "median_error_all_counts": statistics.median(fixed_errs),
-           "max_error_all_counts": max(fixed_errs)}
-    print(f"{path}: counts within 5% {within} of {judged} judged; error of the picked count median "
-          f"{out['median_error']:.1%} max {out['max_error']:.1%}; over every fixed count median "
-          f"{out['median_error_all_counts']:.1%} max {out['max_error_all_counts']:.1%}")
+    out = {
+        "path": path,
+        "judged": judged,
+        "within_5pct": within,
+        "median_error": statistics.median(errs),
+        "max_error": max(errs),
+        "median_error_all_counts": statistics.median(fixed_errs),
+        "max_error_all_counts": max(fixed_errs),
+    }
+    print(
+        f"{path}: counts within 5% {within} of {judged} judged; error of the picked count median "
+        f"{out['median_error']:.1%} max {out['max_error']:.1%}; over every fixed count median "
+        f"{out['median_error_all_counts']:.1%} max {out['max_error_all_counts']:.1%}"
+    )
     return out
 
 
@@ -278,12 +318,24 @@ def main(argv=None):
     p.add_argument("--rates", type=float, nargs="+", default=[1000.0, 3000.0])
     p.add_argument("--iters", type=int, default=7, help="rounds at least (short steps get more, up to 31)")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
-    p.add_argument("--from-json", action="store_true",
-                   help="rewrite the BENCHMARKS.md section from benchmarks/results/plan.json (no measuring)")
-    p.add_argument("--rescore", nargs="+", metavar="PLAN_JSON",
-                   help="re-predict earlier runs' timings with the current model and print how it does (no measuring)")
-    p.add_argument("--set", nargs="+", default=[], metavar="[WORLD,RATE:]FIELD=VALUE",
-                   help="with --rescore: set a profile field (JSON value) on every row, or on one cluster's")
+    p.add_argument(
+        "--from-json",
+        action="store_true",
+        help="rewrite the BENCHMARKS.md section from benchmarks/results/plan.json (no measuring)",
+    )
+    p.add_argument(
+        "--rescore",
+        nargs="+",
+        metavar="PLAN_JSON",
+        help="re-predict earlier runs' timings with the current model and print how it does (no measuring)",
+    )
+    p.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="[WORLD,RATE:]FIELD=VALUE",
+        help="with --rescore: set a profile field (JSON value) on every row, or on one cluster's",
+    )
     args = p.parse_args(argv)
     if args.rescore:
         overrides: dict = {}

@@ -10,6 +10,7 @@ the baseline, overlapc and compute alone, and replays the step's collectives alo
 writes benchmarks/results/tp_sp.json, a table in BENCHMARKS.md and a timeline PNG of one
 overlapc step. Namespaces are removed on exit, on error and on Ctrl-C.
 """
+
 from __future__ import annotations
 
 import sys
@@ -17,10 +18,13 @@ import sys
 from benchmarks import harness
 
 BENCH = harness.Bench(
-    builder="overlapc.models.llama:build_tp_sp", stem="tp_sp",
-    section="Tensor + sequence parallel (issue 3)", title="TP+SP Llama",
+    builder="overlapc.models.llama:build_tp_sp",
+    stem="tp_sp",
+    section="Tensor + sequence parallel (issue 3)",
+    title="TP+SP Llama",
     describe="Reference TP+SP Llama ({n_layers} layers, dim {dim}, ffn {ffn_dim}, heads {n_heads}, "
-             "batch {batch} x seq {seq}, fp32)")
+    "batch {batch} x seq {seq}, fp32)",
+)
 
 
 def main(argv=None):
@@ -32,8 +36,15 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=512)
     args = p.parse_args(argv)
-    model = dict(n_layers=args.layers, dim=args.dim, n_heads=args.heads, ffn_dim=args.ffn,
-                 vocab_size=256, batch=args.batch, seq=args.seq)
+    model = dict(
+        n_layers=args.layers,
+        dim=args.dim,
+        n_heads=args.heads,
+        ffn_dim=args.ffn,
+        vocab_size=256,
+        batch=args.batch,
+        seq=args.seq,
+    )
     return harness.main(BENCH, args, model, "sudo make bench", "benchmarks.bench_tp")
 
 

@@ -18,6 +18,7 @@ installed). Per (rate, world, mode), one emulated cluster and one interleaved ru
 Payload bytes are counted from each compiled step's collectives (benchmarks/common.payload_bytes).
 Writes benchmarks/reports/DATE_HOST_tp_only_MODEL.md and a section of BENCHMARKS.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,17 +34,25 @@ from benchmarks import common, harness
 
 MODELS = {
     # Wire-bound at 60 Mbit/s: each activation all-reduce (1 MiB) takes ~0.14 s on the link.
-    "tp": ("overlapc.models.llama:build_tp", "TP-only Llama",
-           dict(n_layers=1, dim=512, n_heads=8, ffn_dim=1408, vocab_size=256, batch=2, seq=256)),
-    "hf": ("benchmarks.bench_tp_only:build_hf", "transformers LlamaForCausalLM, tp_plan=\"auto\"",
-           dict(n_layers=1, dim=512, n_heads=8, ffn_dim=1408, vocab_size=256, batch=2, seq=256)),
+    "tp": (
+        "overlapc.models.llama:build_tp",
+        "TP-only Llama",
+        dict(n_layers=1, dim=512, n_heads=8, ffn_dim=1408, vocab_size=256, batch=2, seq=256),
+    ),
+    "hf": (
+        "benchmarks.bench_tp_only:build_hf",
+        'transformers LlamaForCausalLM, tp_plan="auto"',
+        dict(n_layers=1, dim=512, n_heads=8, ffn_dim=1408, vocab_size=256, batch=2, seq=256),
+    ),
 }
 NO_MM_AR = '{"*:matmul_all_reduce": {"strategy": "none"}}'
 NO_COALESCE = '{"*:all_reduce_sum": {"strategy": "none"}}'
-VARIANTS = [["default", "hardware=null"],
-            ["coalesce-only", "hardware=null", f"overrides={NO_MM_AR}"],
-            ["no-coalesce", "strategy=decompose", f"overrides={NO_COALESCE}"],
-            ["measure", "hardware=null", "measure=true"]]
+VARIANTS = [
+    ["default", "hardware=null"],
+    ["coalesce-only", "hardware=null", f"overrides={NO_MM_AR}"],
+    ["no-coalesce", "strategy=decompose", f"overrides={NO_COALESCE}"],
+    ["measure", "hardware=null", "measure=true"],
+]
 COLUMNS = ("default", "coalesce-only", "no-coalesce", "decompose", "measure")
 
 
@@ -64,14 +73,24 @@ def build_hf(mesh, *, n_layers, dim, n_heads, ffn_dim, vocab_size, batch, seq):
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.distributed import DistributedConfig
 
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=dim, intermediate_size=ffn_dim, num_hidden_layers=n_layers,
-                      num_attention_heads=n_heads, num_key_value_heads=n_heads, max_position_embeddings=seq)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=dim,
+        intermediate_size=ffn_dim,
+        num_hidden_layers=n_layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_heads,
+        max_position_embeddings=seq,
+    )
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as path:
         LlamaForCausalLM(cfg).save_pretrained(path)
         model = LlamaForCausalLM.from_pretrained(
-            path, distributed_config=DistributedConfig(tp_size=mesh.size(), tp_plan="auto"), device_mesh=mesh,
-            dtype=torch.float32)
+            path,
+            distributed_config=DistributedConfig(tp_size=mesh.size(), tp_plan="auto"),
+            device_mesh=mesh,
+            dtype=torch.float32,
+        )
     ids = torch.randint(0, vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     return _Logits(model), (ids,)
 
@@ -88,8 +107,16 @@ def main(argv=None) -> int:
     bench = harness.Bench(builder=builder, stem=f"tp_only_{args.model}", section="", title=title, describe="")
     rows = []
     for rate in args.rates:
-        run_args = argparse.Namespace(world_sizes=args.world_sizes, modes=args.modes, rate=str(rate), inner="eager",
-                                      chunks="auto", iters=args.iters, variant=VARIANTS, timeline=False)
+        run_args = argparse.Namespace(
+            world_sizes=args.world_sizes,
+            modes=args.modes,
+            rate=str(rate),
+            inner="eager",
+            chunks="auto",
+            iters=args.iters,
+            variant=VARIANTS,
+            timeline=False,
+        )
         rows += harness.run(bench, model, run_args)
     cmd = "sudo python -m benchmarks.bench_tp_only " + " ".join(sys.argv[1:] if argv is None else argv)
     write_report(args.model, title, model, rows, cmd)
@@ -97,47 +124,63 @@ def main(argv=None) -> int:
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2 ** 20:.1f}"
+    return f"{n / 2**20:.1f}"
 
 
 def write_report(name: str, title: str, model: dict, rows: list[dict], cmd: str) -> str:
-    lines = [f"{title} ({', '.join(f'{k} {v}' for k, v in model.items())}, fp32, inner eager), emulated "
-             "cluster (one network namespace per rank, veth + tbf), one torch thread per rank, 2 CPU cores. "
-             "Medians of interleaved steps; speedups against T_base in the same run. T_comm: the baseline's "
-             "collectives replayed alone.", "",
-             f"Reproduce: `{cmd}`", "",
-             "| link Mbit/s | world | step | T_base | T_comm | T_compute | " + " | ".join(COLUMNS) + " |",
-             "|---|---|---|---|---|---|" + "---|" * len(COLUMNS)]
+    lines = [
+        f"{title} ({', '.join(f'{k} {v}' for k, v in model.items())}, fp32, inner eager), emulated "
+        "cluster (one network namespace per rank, veth + tbf), one torch thread per rank, 2 CPU cores. "
+        "Medians of interleaved steps; speedups against T_base in the same run. T_comm: the baseline's "
+        "collectives replayed alone.",
+        "",
+        f"Reproduce: `{cmd}`",
+        "",
+        "| link Mbit/s | world | step | T_base | T_comm | T_compute | " + " | ".join(COLUMNS) + " |",
+        "|---|---|---|---|---|---|" + "---|" * len(COLUMNS),
+    ]
     for r in rows:
         v = {n: x["t"] for n, x in r.get("variants", {}).items()}
         v["decompose"] = r["t_overlapc"]
-        lines.append(f"| {r['rate_mbit']:.0f} | {r['world_size']} | {r['mode']} | {r['t_base'] * 1e3:.0f} ms | "
-                     f"{r['t_comm'] * 1e3:.0f} ms | {r['t_compute'] * 1e3:.0f} ms | "
-                     + " | ".join(f"{v[n] * 1e3:.0f} ms ({r['t_base'] / v[n]:.2f}x)" if n in v else "n/a"
-                                  for n in COLUMNS) + " |")
-    lines += ["", "All-reduce payload per rank and step, MiB, counted from each compiled step's collectives "
-                  "(baseline → default):", "",
-              "| world | step | forward | backward | backward ratio |", "|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['rate_mbit']:.0f} | {r['world_size']} | {r['mode']} | {r['t_base'] * 1e3:.0f} ms | "
+            f"{r['t_comm'] * 1e3:.0f} ms | {r['t_compute'] * 1e3:.0f} ms | "
+            + " | ".join(f"{v[n] * 1e3:.0f} ms ({r['t_base'] / v[n]:.2f}x)" if n in v else "n/a" for n in COLUMNS)
+            + " |"
+        )
+    lines += [
+        "",
+        "All-reduce payload per rank and step, MiB, counted from each compiled step's collectives "
+        "(baseline → default):",
+        "",
+        "| world | step | forward | backward | backward ratio |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
         b = r.get("bytes", {})
         base, dflt = b.get("base", {}), b.get("default", {})
         cells = []
-        for g in (("inference",) if r["mode"] == "forward" else ("forward", "backward")):
+        for g in ("inference",) if r["mode"] == "forward" else ("forward", "backward"):
             x, y = base.get(g, {}).get("all_reduce", 0), dflt.get(g, {}).get("all_reduce", 0)
             cells.append((g, x, y))
         fw = next((c for c in cells if c[0] in ("forward", "inference")), None)
         bw = next((c for c in cells if c[0] == "backward"), None)
-        lines.append(f"| {r['world_size']} | {r['mode']} | "
-                     + (f"{_mib(fw[1])} → {_mib(fw[2])}" if fw else "n/a") + " | "
-                     + (f"{_mib(bw[1])} → {_mib(bw[2])} | {bw[2] / bw[1]:.2f}" if bw and bw[1] else "n/a | n/a")
-                     + " |")
+        lines.append(
+            f"| {r['world_size']} | {r['mode']} | "
+            + (f"{_mib(fw[1])} → {_mib(fw[2])}" if fw else "n/a")
+            + " | "
+            + (f"{_mib(bw[1])} → {_mib(bw[2])} | {bw[2] / bw[1]:.2f}" if bw and bw[1] else "n/a | n/a")
+            + " |"
+        )
     body = "\n".join(lines)
     stamp = time.strftime("%Y-%m-%d_%H%M")
     os.makedirs(os.path.join(common.ROOT, "benchmarks", "reports"), exist_ok=True)
     path = os.path.join(common.ROOT, "benchmarks", "reports", f"{stamp}_{socket.gethostname()}_tp_only_{name}.md")
     with open(path, "w") as f:
-        f.write(f"# TP without sequence parallelism: {title}\n\n{time.strftime('%Y-%m-%d %H:%M')} UTC, "
-                f"host {socket.gethostname()}\n\n{body}\n")
+        f.write(
+            f"# TP without sequence parallelism: {title}\n\n{time.strftime('%Y-%m-%d %H:%M')} UTC, "
+            f"host {socket.gethostname()}\n\n{body}\n"
+        )
     common.write_json(f"tp_only_{name}.json", rows)
     print(body)
     print(f"wrote {path}")

@@ -13,6 +13,7 @@ Everything it creates is removed on exit, on error, on Ctrl-C and on SIGTERM. Na
 a per-run tag (``ovc<pid>...``); ``EmulatedCluster.cleanup_stale()`` removes namespaces a
 killed run left behind.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -125,7 +126,7 @@ class EmulatedCluster:
         out = _run("ip", "netns", "list", check=False).stdout.split()
         for name in out:
             if name.startswith(PREFIX) and ("-br" in name or "-r" in name):
-                pid = name[len(PREFIX):].split("-")[0]
+                pid = name[len(PREFIX) :].split("-")[0]
                 if not pid.isdigit() or not os.path.exists(f"/proc/{pid}"):
                     _run("ip", "netns", "del", name, check=False)
 
@@ -133,9 +134,12 @@ class EmulatedCluster:
     def world(self, **kw):
         from overlapc.world import World
 
-        return World(self.world_size,
-                     rank_prefix=lambda r: ["ip", "netns", "exec", self.rank_ns[r]],
-                     rank_env=lambda r: {"GLOO_SOCKET_IFNAME": "eth0"}, **kw)
+        return World(
+            self.world_size,
+            rank_prefix=lambda r: ["ip", "netns", "exec", self.rank_ns[r]],
+            rank_env=lambda r: {"GLOO_SOCKET_IFNAME": "eth0"},
+            **kw,
+        )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ Definitions (all measured in the same run, interleaved):
 - overlap efficiency E = (T_base - T_overlapc) / min(T_compute, T_comm): 1.0 means the
   shorter of the two is completely hidden.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,6 +33,7 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 
 # ---------------------------------------------------------------------- compute alone
+
 
 def strip_collectives(gm: torch.fx.GraphModule) -> None:
     """Replace each functional collective and its wait by a local op of the same shape.
@@ -92,11 +94,17 @@ def strip_collectives(gm: torch.fx.GraphModule) -> None:
 
 def _same_shape(a, b) -> bool:
     from torch.fx.experimental.symbolic_shapes import statically_known_true
-    return a is not None and b is not None and len(a) == len(b) and all(
-        statically_known_true(x == y) for x, y in zip(a, b))
+
+    return (
+        a is not None
+        and b is not None
+        and len(a) == len(b)
+        and all(statically_known_true(x == y) for x, y in zip(a, b))
+    )
 
 
 # ---------------------------------------------------------------------- comm alone
+
 
 def collective_calls(report, graphs=("forward", "backward", "inference")) -> list[dict]:
     """The collectives of a compiled step, from its report (every collective is in it)."""
@@ -104,8 +112,17 @@ def collective_calls(report, graphs=("forward", "backward", "inference")) -> lis
     for s in report.sites:
         # an all_reduce_sum row describes a merge; its all-reduce is another row's collective
         if s.graph in graphs and s.shapes.get("input") is not None and s.pattern != "all_reduce_sum":
-            out.append({"op": s.collective_op, "shape": s.shapes["input"], "dtype": s.dtype, "graph": s.graph,
-                        "group": s.group, "world": s.world_size, "reduce": s.details.get("reduce_op", "sum")})
+            out.append(
+                {
+                    "op": s.collective_op,
+                    "shape": s.shapes["input"],
+                    "dtype": s.dtype,
+                    "graph": s.graph,
+                    "group": s.group,
+                    "world": s.world_size,
+                    "reduce": s.details.get("reduce_op", "sum"),
+                }
+            )
     # Sizes known only at run time (a dropless MoE's combine sends what its experts got):
     # replayed at the size of the largest all-to-all of known size (the dispatch), evenly split.
     known = [c["shape"][0] for c in out if c["op"] == "all_to_all_single" and isinstance(c["shape"][0], int)]
@@ -215,12 +232,12 @@ def loaded_times(step, calls: list[dict], group, rounds: int) -> tuple[float, fl
     if hi[2] > 0:
         raise RuntimeError("the collective replay under compute failed on another rank")
     if lo.item() < 0:
-        raise RuntimeError(f"no compute step ended within the {rounds} replay rounds on some rank: "
-                           "give it more rounds")
+        raise RuntimeError(f"no compute step ended within the {rounds} replay rounds on some rank: give it more rounds")
     return hi[0].item(), hi[1].item()
 
 
 # ---------------------------------------------------------------------- timing
+
 
 def timed(fn) -> float:
     """Seconds ``fn`` takes on the slowest rank, starting together."""
@@ -253,16 +270,21 @@ def summary(times: dict[str, list[float]], t_comm: list[float], loaded: tuple[fl
     tc = statistics.median(t_comm)
     base, ovl, comp = med["base"], med["overlapc"], med["compute"]
     return {
-        "t_base": base, "t_overlapc": ovl, "t_compute": comp, "t_comm": tc,
+        "t_base": base,
+        "t_overlapc": ovl,
+        "t_compute": comp,
+        "t_comm": tc,
         "speedup": base / ovl,
         "efficiency": (base - ovl) / min(comp, tc),
         "ideal_speedup": base / max(comp, tc),
-        "t_compute_loaded": loaded[0] if loaded else None, "t_comm_loaded": loaded[1] if loaded else None,
+        "t_compute_loaded": loaded[0] if loaded else None,
+        "t_comm_loaded": loaded[1] if loaded else None,
         "spread": {k: [min(v), max(v)] for k, v in times.items()},
     }
 
 
 # ---------------------------------------------------------------------- outputs
+
 
 def write_json(name: str, data) -> str:
     os.makedirs(RESULTS, exist_ok=True)
@@ -303,8 +325,12 @@ def timeline_png(events: list[dict], path: str, title: str) -> str:
     lanes = {"comm": 1, "gemm": 0, "compute": 0}
     for e in events:
         lane = lanes[e["kind"]]
-        ax.broken_barh([((e["start"] - t0) * 1e3, max((e["end"] - e["start"]) * 1e3, 0.05))],
-                       (lane - 0.4, 0.8), facecolors=colors[e["kind"]], edgecolor="none")
+        ax.broken_barh(
+            [((e["start"] - t0) * 1e3, max((e["end"] - e["start"]) * 1e3, 0.05))],
+            (lane - 0.4, 0.8),
+            facecolors=colors[e["kind"]],
+            edgecolor="none",
+        )
     ax.set_yticks([0, 1])
     ax.set_yticklabels(["compute (dark: GEMM)", "communication"])
     ax.set_xlabel("ms")

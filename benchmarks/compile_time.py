@@ -1,6 +1,7 @@
 """Benchmark: how long overlapc's graph passes take as a model grows (compile time, not speed).
 
-    python -m benchmarks.compile_time [--layers 4 16 32] [--dim 1024 --ffn 2816 --heads 16 --seq 512] [--world 8] [--no-write]
+    python -m benchmarks.compile_time [--layers 4 16 32] [--dim 1024 --ffn 2816 --heads 16 --seq 512]
+                                      [--world 8] [--no-write]
 
 Captures the reference TP+SP Llama (by default at the shapes of ``make bench``, so that
 "auto" rewrites the sites it rewrites there; on the fake group no tensor is computed, so
@@ -16,6 +17,7 @@ by the cost model, micro-batch slices weighed against row chunks), and reports:
 
 Writes benchmarks/results/compile_time.json and the section "Compile time" of BENCHMARKS.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,9 +56,14 @@ def _capture(layers: int, shape: dict, world_mesh, memo: bool) -> dict:
         total = time.perf_counter() - t
     finally:
         passes.optimize, cost.predict_stages = real_optimize, real_predict
-    return {"layers": layers, "memo": memo, "total_s": total, "passes_s": spent[0],
-            "sites": sum(1 for s in report.sites if s.pattern != "collective"),
-            "rewritten": sum(1 for s in report.sites if s.status == "rewritten")}
+    return {
+        "layers": layers,
+        "memo": memo,
+        "total_s": total,
+        "passes_s": spent[0],
+        "sites": sum(1 for s in report.sites if s.pattern != "collective"),
+        "rewritten": sum(1 for s in report.sites if s.status == "rewritten"),
+    }
 
 
 def main(argv=None) -> int:
@@ -74,8 +81,10 @@ def main(argv=None) -> int:
 
     from benchmarks import common
     from overlapc.cli import fake_world
+
     if dist.is_initialized() and dist.get_backend() == "fake" and dist.get_world_size() == args.world:
         from torch.distributed.device_mesh import init_device_mesh
+
         mesh = init_device_mesh("cpu", (args.world,))  # one already here (a test session's): keep it
     else:
         mesh = fake_world(args.world)
@@ -85,26 +94,35 @@ def main(argv=None) -> int:
         for memo in (True, False):
             r = _capture(layers, shape, mesh, memo)
             rows.append(r)
-            print(f"layers {layers:3d} memo {'on ' if memo else 'off'}: total {r['total_s']:6.1f} s, "
-                  f"passes {r['passes_s']:6.1f} s, {r['sites']} sites ({r['rewritten']} rewritten)", flush=True)
+            print(
+                f"layers {layers:3d} memo {'on ' if memo else 'off'}: total {r['total_s']:6.1f} s, "
+                f"passes {r['passes_s']:6.1f} s, {r['sites']} sites ({r['rewritten']} rewritten)",
+                flush=True,
+            )
     if args.no_write:
         return 0
     common.write_json("compile_time.json", {"args": vars(args), "rows": rows})
     cmd = "python -m benchmarks.compile_time" + " ".join(a for a in [""] + list(argv or sys.argv[1:]))
-    lines = [f"Reference TP+SP Llama (dim {args.dim}, ffn {args.ffn}, {args.heads} heads, batch 2 x seq {args.seq}, "
-             "fp32), "
-             f"captured by `overlapc.explain` with the default options on a fake process group of "
-             f"{args.world} ranks (one process, {os.cpu_count()} CPU cores). Total: the whole capture, dynamo and "
-             "AOTAutograd included; passes: inside overlapc's graph passes (forward and backward); "
-             "no memo: the cost model prices every repeated site again.", "",
-             f"Reproduce: `{cmd}`", "",
-             "| layers | sites (rewritten) | total s | passes s | passes s, no memo | passes per layer s |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"Reference TP+SP Llama (dim {args.dim}, ffn {args.ffn}, {args.heads} heads, batch 2 x seq {args.seq}, "
+        "fp32), "
+        f"captured by `overlapc.explain` with the default options on a fake process group of "
+        f"{args.world} ranks (one process, {os.cpu_count()} CPU cores). Total: the whole capture, dynamo and "
+        "AOTAutograd included; passes: inside overlapc's graph passes (forward and backward); "
+        "no memo: the cost model prices every repeated site again.",
+        "",
+        f"Reproduce: `{cmd}`",
+        "",
+        "| layers | sites (rewritten) | total s | passes s | passes s, no memo | passes per layer s |",
+        "|---|---|---|---|---|---|",
+    ]
     for layers in args.layers:
         on = next(r for r in rows if r["layers"] == layers and r["memo"])
         off = next(r for r in rows if r["layers"] == layers and not r["memo"])
-        lines.append(f"| {layers} | {on['sites']} ({on['rewritten']}) | {on['total_s']:.1f} | {on['passes_s']:.1f} | "
-                     f"{off['passes_s']:.1f} | {on['passes_s'] / layers:.2f} |")
+        lines.append(
+            f"| {layers} | {on['sites']} ({on['rewritten']}) | {on['total_s']:.1f} | {on['passes_s']:.1f} | "
+            f"{off['passes_s']:.1f} | {on['passes_s'] / layers:.2f} |"
+        )
     common.update_benchmarks_md("Compile time", "\n".join(lines))
     return 0
 

@@ -9,6 +9,7 @@ flight, ``rs_rs`` four reduce-scatters. Prints rounds and wrong results per rank
 failure. Why: passes/schedule.py (what overlapc serializes on gloo). Not a test: the
 failures it finds are rare (minutes), and it needs root for the cluster.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,7 @@ def stress_job(kind: str, seconds: float) -> tuple[int, int]:
         v = float(rounds % 7)
         # All-gather inputs are views into one buffer, as row chunks are.
         base = torch.cat([torch.full((ROWS, DIM), r * 100 + v + k) for k in range(2)])
-        xs = [base[k * ROWS:(k + 1) * ROWS] for k in range(2)]
+        xs = [base[k * ROWS : (k + 1) * ROWS] for k in range(2)]
         ys = [torch.full((ROWS * w, DIM), float(r + 1 + k)) for k in range(4)]
         ags, rss = [], []
         if kind in ("ag_rs", "ag_ag"):

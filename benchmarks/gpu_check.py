@@ -27,6 +27,7 @@ weight, bf16 LLM shapes. Block sizes: every candidate of ``overlapc.kernels.gemm
 is timed per shape and the best kept. Prints a table and writes JSON to ``--out``
 (default: gpu_check.json). Measured on one H100: BENCHMARKS.md, "Fused kernels on one H100".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,10 @@ def _bench(fn, reps: int) -> float:
     On the CPU: wall time of synchronous calls."""
     if torch.cuda.is_available():
         from triton.testing import do_bench
+
         return do_bench(fn, warmup=10, rep=max(20, 5 * reps), return_mode="median") / 1e3
     from overlapc.calibrate import _median
+
     return _median(fn, reps)
 
 
@@ -54,6 +57,7 @@ def _fail_exit(what: str) -> None:
     import faulthandler
     import os
     import sys
+
     print(f"FAIL {what}", flush=True)
     faulthandler.dump_traceback(sys.stdout, all_threads=True)
     sys.stdout.flush()
@@ -65,6 +69,7 @@ def _guard(what: str, seconds: float) -> None:
     if not torch.cuda.is_available():
         return
     import threading
+
     waiter = threading.Thread(target=torch.cuda.synchronize, daemon=True)
     waiter.start()
     waiter.join(seconds)
@@ -78,6 +83,7 @@ class _deadline:
 
     def __init__(self, what: str, seconds: float):
         import threading
+
         self._t = threading.Timer(seconds, _fail_exit, args=(f"{what}: not done after {seconds:.0f} s",))
         self._t.daemon = True
 
@@ -113,8 +119,11 @@ def _tune(make, cands, reps) -> list[tuple[float, dict]]:
 
 
 def _per_config(timed, flops) -> list[str]:
-    return [f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']}: "
-            f"{flops / t / 1e12:.0f}" for t, c in timed if t != float("inf")]
+    return [
+        f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']}: {flops / t / 1e12:.0f}"
+        for t, c in timed
+        if t != float("inf")
+    ]
 
 
 def ag_gemm(M_L, K, N, world, dtype, dev, reps, chunks=4, pipe=False):
@@ -122,8 +131,8 @@ def ag_gemm(M_L, K, N, world, dtype, dev, reps, chunks=4, pipe=False):
     from overlapc.kernels.gemm import ag_gemm_consumer, configs
     from overlapc.runtime.symm import store_word as store  # flags and the abort word, as the op stores them
 
-    shards = [torch.randn(M_L, K, dtype=dtype, device=dev) / K ** 0.25 for _ in range(world)]
-    b = torch.randn(K, N, dtype=dtype, device=dev) / K ** 0.25
+    shards = [torch.randn(M_L, K, dtype=dtype, device=dev) / K**0.25 for _ in range(world)]
+    b = torch.randn(K, N, dtype=dtype, device=dev) / K**0.25
     buf = torch.empty(world * M_L, K, dtype=dtype, device=dev)
     flags = torch.zeros(world * chunks, dtype=torch.int32, device=dev)
     abort = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -134,18 +143,38 @@ def ag_gemm(M_L, K, N, world, dtype, dev, reps, chunks=4, pipe=False):
 
     def launch(cfg):
         grid = (-(-world * M_L // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"]),)
-        ag_gemm_consumer[grid](buf, b, out, flags, abort, M_L, N, K, world, 0, chunks, chunk_rows, M_L, epoch[0],
-                               b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-                               UPCAST=INTERPRET, PRECISION=prec, **cfg)
+        ag_gemm_consumer[grid](
+            buf,
+            b,
+            out,
+            flags,
+            abort,
+            M_L,
+            N,
+            K,
+            world,
+            0,
+            chunks,
+            chunk_rows,
+            M_L,
+            epoch[0],
+            b.stride(0),
+            b.stride(1),
+            out.stride(0),
+            out.stride(1),
+            UPCAST=INTERPRET,
+            PRECISION=prec,
+            **cfg,
+        )
 
     def produce():
         # Device-to-device data copies, each chunk followed by its flag.
         for c in range(chunks):
             r0, r1 = c * chunk_rows, min(M_L, (c + 1) * chunk_rows)
             for src in range(world):
-                buf[src * M_L + r0: src * M_L + r1].copy_(shards[src][r0:r1])
+                buf[src * M_L + r0 : src * M_L + r1].copy_(shards[src][r0:r1])
                 f = src * chunks + c
-                store(flags[f:f + 1], epoch[0])
+                store(flags[f : f + 1], epoch[0])
 
     # Data in place, flags up: the GEMM alone, per config.
     epoch[0] = 1
@@ -156,19 +185,43 @@ def ag_gemm(M_L, K, N, world, dtype, dev, reps, chunks=4, pipe=False):
     ref = torch.cat(shards) @ b
     flops = 2 * world * M_L * K * N
     if pipe:
-        return _ag_pipelined(launch, produce, store, cands[min(2, len(cands) - 1)], buf, out, abort, epoch, ref,
-                             flops, dev, reps, dict(M=world * M_L, K=K, N=N, world=world))
-    timed = _tune(lambda c: (lambda: launch(c)), cands, reps)
+        return _ag_pipelined(
+            launch,
+            produce,
+            store,
+            cands[min(2, len(cands) - 1)],
+            buf,
+            out,
+            abort,
+            epoch,
+            ref,
+            flops,
+            dev,
+            reps,
+            dict(M=world * M_L, K=K, N=N, world=world),
+        )
+    timed = _tune(lambda c: lambda: launch(c), cands, reps)
     t_fused, cfg = min(timed, key=lambda x: x[0])
     out.zero_()  # the checked result is this config's, not an earlier candidate's
     launch(cfg)
     err = (out.float() - ref.float()).abs().max().item()
     with _deadline("timing torch.mm", 60):
         t_mm = _bench(lambda: torch.mm(buf, b), reps)
-    return dict(kernel="ag_gemm", M=world * M_L, K=K, N=N, world=world, max_err=err,
-                ref_scale=ref.float().abs().max().item(), tflops_fused=flops / t_fused / 1e12,
-                tflops_mm=flops / t_mm / 1e12, ratio=t_mm / t_fused, tflops_with_producer=None, config=cfg,
-                per_config=_per_config(timed, flops))
+    return dict(
+        kernel="ag_gemm",
+        M=world * M_L,
+        K=K,
+        N=N,
+        world=world,
+        max_err=err,
+        ref_scale=ref.float().abs().max().item(),
+        tflops_fused=flops / t_fused / 1e12,
+        tflops_mm=flops / t_mm / 1e12,
+        ratio=t_mm / t_fused,
+        tflops_with_producer=None,
+        config=cfg,
+        per_config=_per_config(timed, flops),
+    )
 
 
 def _ag_pipelined(launch, produce, store, cfg, buf, out, abort, epoch, ref, flops, dev, reps, shape) -> dict:
@@ -176,6 +229,7 @@ def _ag_pipelined(launch, produce, store, cfg, buf, out, abort, epoch, ref, flop
     on a side stream; on the CPU: in a thread, the consumer running under the interpreter in
     this one). A watchdog raises the abort word, as the op's does, if the consumer starves."""
     import threading
+
     cuda = dev.type == "cuda"
     side, abort_stream = (torch.cuda.Stream(), torch.cuda.Stream()) if cuda else (None, None)
 
@@ -222,9 +276,18 @@ def _ag_pipelined(launch, produce, store, cfg, buf, out, abort, epoch, ref, flop
             raise RuntimeError("ag_gemm: a timed pipelined call starved its producer (aborted after 20 s)")
     finally:
         done.set()
-    return dict(kernel="ag_gemm+producer", **shape, max_err=err, ref_scale=ref.float().abs().max().item(),
-                tflops_fused=None, tflops_mm=None, ratio=None, tflops_with_producer=flops / t_pipe / 1e12,
-                config=cfg, per_config=[])
+    return dict(
+        kernel="ag_gemm+producer",
+        **shape,
+        max_err=err,
+        ref_scale=ref.float().abs().max().item(),
+        tflops_fused=None,
+        tflops_mm=None,
+        ratio=None,
+        tflops_with_producer=flops / t_pipe / 1e12,
+        config=cfg,
+        per_config=[],
+    )
 
 
 def gemm_rs(M, K, N, world, dtype, dev, reps):
@@ -232,8 +295,8 @@ def gemm_rs(M, K, N, world, dtype, dev, reps):
     from overlapc.kernels.gemm import configs, gemm_rs_producer, rs_reduce_consumer
 
     M_O = M // world
-    a = torch.randn(M, K, dtype=dtype, device=dev) / K ** 0.25
-    b = torch.randn(K, N, dtype=dtype, device=dev) / K ** 0.25
+    a = torch.randn(M, K, dtype=dtype, device=dev) / K**0.25
+    b = torch.randn(K, N, dtype=dtype, device=dev) / K**0.25
     owners = [torch.zeros(world * M_O, N, dtype=dtype, device=dev) for _ in range(world)]
     buf_table = torch.tensor([o.data_ptr() for o in owners], dtype=torch.int64, device=dev)
     prec = "ieee" if dtype == torch.float32 else "tf32"
@@ -251,22 +314,60 @@ def gemm_rs(M, K, N, world, dtype, dev, reps):
             partials = []
             for src in range(1, world):
                 p = torch.randn(M_O, N, dtype=dtype, device=dev)
-                owners[0][src * M_O:(src + 1) * M_O].copy_(p)
-                sigs[0][src * tiles:(src + 1) * tiles].fill_(1)
+                owners[0][src * M_O : (src + 1) * M_O].copy_(p)
+                sigs[0][src * tiles : (src + 1) * tiles].fill_(1)
                 partials.append(p)
-        kw = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        kw = dict(
+            BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_K=cfg["BLOCK_K"],
+            GROUP_M=cfg["GROUP_M"],
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        )
 
         def producer(keep=sigs):  # keep: the signal pads must outlive the pointer table
-            gemm_rs_producer[(world * tiles,)](a, b, buf_table, sig_table, M_O, N, K, world, 0, M_O, 1,
-                                               a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                                               UPCAST=INTERPRET, PRECISION=prec, OUT_DTYPE=tl_dtype(dtype), **kw)
+            gemm_rs_producer[(world * tiles,)](
+                a,
+                b,
+                buf_table,
+                sig_table,
+                M_O,
+                N,
+                K,
+                world,
+                0,
+                M_O,
+                1,
+                a.stride(0),
+                a.stride(1),
+                b.stride(0),
+                b.stride(1),
+                UPCAST=INTERPRET,
+                PRECISION=prec,
+                OUT_DTYPE=tl_dtype(dtype),
+                **kw,
+            )
+
         if not reduce:
             return producer
         producer()
-        rs_reduce_consumer[(tiles,)](owners[0], out, sigs[0], abort, M_O, N, world, 1, out.stride(0), out.stride(1),
-                                     BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"],
-                                     UPCAST=INTERPRET)
+        rs_reduce_consumer[(tiles,)](
+            owners[0],
+            out,
+            sigs[0],
+            abort,
+            M_O,
+            N,
+            world,
+            1,
+            out.stride(0),
+            out.stride(1),
+            BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"],
+            GROUP_M=cfg["GROUP_M"],
+            UPCAST=INTERPRET,
+        )
         _guard(f"rs_reduce_consumer {M_O}x{N} with every flag already up", 30)
         return partials
 
@@ -274,19 +375,30 @@ def gemm_rs(M, K, N, world, dtype, dev, reps):
     timed = _tune(run, cands, reps)
     t_fused, cfg = min(timed, key=lambda x: x[0])
     partials = run(cfg, reduce=True)
-    full = (a.float() @ b.float())
+    full = a.float() @ b.float()
     # Rank 0 owns rows [0, M_O) of the scatter (dim 0): its own partial plus the others'.
     ref = full[:M_O] + sum(p.float() for p in partials)
     err = (out.float() - ref).abs().max().item()
     # Each owner received the right rows of rank 0's GEMM.
     for w, o in enumerate(owners):
-        err = max(err, (o[:M_O].float() - full[w * M_O:(w + 1) * M_O]).abs().max().item())
+        err = max(err, (o[:M_O].float() - full[w * M_O : (w + 1) * M_O]).abs().max().item())
     with _deadline("timing torch.mm", 60):
         t_mm = _bench(lambda: torch.mm(a, b), reps)
     flops = 2 * M * K * N
-    return dict(kernel="gemm_rs", M=M, K=K, N=N, world=world, max_err=err, ref_scale=ref.abs().max().item(),
-                tflops_fused=flops / t_fused / 1e12, tflops_mm=flops / t_mm / 1e12, ratio=t_mm / t_fused,
-                config=cfg, per_config=_per_config(timed, flops))
+    return dict(
+        kernel="gemm_rs",
+        M=M,
+        K=K,
+        N=N,
+        world=world,
+        max_err=err,
+        ref_scale=ref.abs().max().item(),
+        tflops_fused=flops / t_fused / 1e12,
+        tflops_mm=flops / t_mm / 1e12,
+        ratio=t_mm / t_fused,
+        config=cfg,
+        per_config=_per_config(timed, flops),
+    )
 
 
 def workspace_check(dev, timeout: float = 10.0) -> dict:
@@ -309,8 +421,13 @@ def workspace_check(dev, timeout: float = 10.0) -> dict:
 
     cuda = dev.type == "cuda"
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
-                                **({"device_id": torch.device("cuda", torch.cuda.current_device())} if cuda else {}))
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            **({"device_id": torch.device("cuda", torch.cuda.current_device())} if cuda else {}),
+        )
     group = dist.group.WORLD
     dtype = torch.bfloat16
     M, K, N, chunks = (16384, 1024, 1024, 64) if cuda else (64, 32, 32, 4)
@@ -319,15 +436,35 @@ def workspace_check(dev, timeout: float = 10.0) -> dict:
     t_rdv = time.perf_counter() - t0
     a = ws.view(0, (M, K), dtype)
     a.copy_(torch.randn(M, K, dtype=dtype, device=dev))
-    b = torch.randn(K, N, dtype=dtype, device=dev) / K ** 0.5
+    b = torch.randn(K, N, dtype=dtype, device=dev) / K**0.5
     out = torch.empty(M, N, dtype=dtype, device=dev)
     cfg = dict(configs(M, N, K)[-1])
     tiles = -(-M // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"])
 
     def consume(epoch):
-        ag_gemm_consumer[(tiles,)](a, b, out, ws.flags(), ws.abort_word(), M, N, K, 1, 0, chunks, M // chunks,
-                                   1, epoch, b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-                                   UPCAST=INTERPRET, PRECISION="tf32", **cfg)
+        ag_gemm_consumer[(tiles,)](
+            a,
+            b,
+            out,
+            ws.flags(),
+            ws.abort_word(),
+            M,
+            N,
+            K,
+            1,
+            0,
+            chunks,
+            M // chunks,
+            1,
+            epoch,
+            b.stride(0),
+            b.stride(1),
+            out.stride(0),
+            out.stride(1),
+            UPCAST=INTERPRET,
+            PRECISION="tf32",
+            **cfg,
+        )
 
     def finished(what: str) -> None:
         _guard(f"workspace: {what}", timeout + 10)
@@ -341,7 +478,7 @@ def workspace_check(dev, timeout: float = 10.0) -> dict:
         time.sleep(0.2)
         with ws.on("copy"):
             for f in range(chunks):
-                ws.store(ws.flags()[f:f + 1], epoch)
+                ws.store(ws.flags()[f : f + 1], epoch)
 
     t = time.perf_counter()
     th = threading.Thread(target=raise_flags, args=(epoch,), daemon=True)
@@ -366,8 +503,8 @@ def workspace_check(dev, timeout: float = 10.0) -> dict:
         time.sleep(delay)
         with ws.on("copy"):
             for f in range(chunks):
-                a[f * rows:(f + 1) * rows].copy_(src[f * rows:(f + 1) * rows])
-                ws.store(ws.flags()[f:f + 1], epoch)
+                a[f * rows : (f + 1) * rows].copy_(src[f * rows : (f + 1) * rows])
+                ws.store(ws.flags()[f : f + 1], epoch)
 
     a.zero_()
     out.zero_()
@@ -442,8 +579,13 @@ def fused_ops_rank(rank: int, world: int, port: int) -> dict:
     dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=__import__("datetime").timedelta(seconds=60),
+    )
     gname = dist.group.WORLD.group_name
     res = dict(rank=rank, cases=[])
 
@@ -453,8 +595,12 @@ def fused_ops_rank(rank: int, world: int, port: int) -> dict:
 
     # (kind, shape of a rank's operand, dim, N): 2-D and 3-D, dim 0 and an inner dim
     if cuda:
-        cases = [("ag", (256, 512), 0, 384), ("ag", (2, 96, 512), 1, 256), ("rs", (512, 512), 0, 384),
-                 ("rs", (2, 192, 512), 1, 256)]
+        cases = [
+            ("ag", (256, 512), 0, 384),
+            ("ag", (2, 96, 512), 1, 256),
+            ("rs", (512, 512), 0, 384),
+            ("rs", (2, 192, 512), 1, 256),
+        ]
     else:
         cases = [("ag", (8, 32), 0, 24), ("ag", (2, 6, 32), 1, 16), ("rs", (16, 32), 0, 24), ("rs", (2, 8, 32), 1, 16)]
     for dtype in (torch.bfloat16, torch.float32):
@@ -470,8 +616,9 @@ def fused_ops_rank(rank: int, world: int, port: int) -> dict:
                 ref = full.float() @ b.float()
                 errs = []
                 for _call in range(2):  # two calls: the second waits on the first's done words
-                    g, outs = fused.all_gather_matmul(shards[rank], [b], d, gname, chunks=4, timeout=15.0,
-                                                      return_a=True, min_flops=0)
+                    g, outs = fused.all_gather_matmul(
+                        shards[rank], [b], d, gname, chunks=4, timeout=15.0, return_a=True, min_flops=0
+                    )
                     errs.append((outs[0].float() - ref).abs().max().item())
                     errs.append((g.float() - full.float()).abs().max().item())
             else:
@@ -484,8 +631,17 @@ def fused_ops_rank(rank: int, world: int, port: int) -> dict:
                 for _call in range(2):
                     out = fused.matmul_reduce_scatter(parts[rank], b, d, gname, timeout=15.0, min_flops=0)
                     errs.append((out.float() - ref).abs().max().item())
-            res["cases"].append(dict(kind=kind, shape=list(shape), dim=d, N=N, dtype=str(dtype).split(".")[-1],
-                                     max_err=max(errs), ref_scale=ref.abs().max().item()))
+            res["cases"].append(
+                dict(
+                    kind=kind,
+                    shape=list(shape),
+                    dim=d,
+                    N=N,
+                    dtype=str(dtype).split(".")[-1],
+                    max_err=max(errs),
+                    ref_scale=ref.abs().max().item(),
+                )
+            )
     res["fused_calls"] = fused.calls["fused"]
     symm.release_all()
     dist.destroy_process_group()
@@ -500,9 +656,13 @@ def fused_ops_check(world: int = 2, timeout: float = 60.0) -> dict:
     from overlapping devices from different ranks", torch 2.11), so with fewer GPUs than
     ranks the check is skipped."""
     if torch.cuda.is_available() and torch.cuda.device_count() < world:
-        return dict(world=world, ranks=[], failed=[],
-                    skipped=f"{torch.cuda.device_count()} GPU(s) for {world} ranks: torch's symmetric memory "
-                            "takes one rank per GPU")
+        return dict(
+            world=world,
+            ranks=[],
+            failed=[],
+            skipped=f"{torch.cuda.device_count()} GPU(s) for {world} ranks: torch's symmetric memory "
+            "takes one rank per GPU",
+        )
     import socket
     import subprocess
     import sys
@@ -510,9 +670,25 @@ def fused_ops_check(world: int = 2, timeout: float = 60.0) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.gpu_check", "--ops-rank", str(r),
-                               "--ops-world", str(world), "--port", str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.gpu_check",
+                "--ops-rank",
+                str(r),
+                "--ops-world",
+                str(world),
+                "--port",
+                str(port),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
     deadline = time.monotonic() + timeout
     outs = []
     for p in procs:
@@ -526,7 +702,7 @@ def fused_ops_check(world: int = 2, timeout: float = 60.0) -> dict:
     for r, (p, text) in enumerate(zip(procs, outs)):
         line = [t for t in text.splitlines() if t.startswith("OPS_RESULT ")]
         if p.returncode == 0 and line:
-            ranks.append(json.loads(line[-1][len("OPS_RESULT "):]))
+            ranks.append(json.loads(line[-1][len("OPS_RESULT ") :]))
         else:
             logs.append(f"rank {r} (exit {p.returncode}):\n" + text[-3000:])
     return dict(world=world, ranks=ranks, failed=logs)
@@ -544,7 +720,7 @@ def grouped_check(dev, smoke: bool, reps: int) -> dict:
     sizes = torch.randint(0, 2 * rows, (g,), generator=gen).tolist()
     sizes[1] = 0  # an empty group
     x = torch.randn(sum(sizes), k, generator=gen).to(dev, dtype)
-    w = (torch.randn(e, k, n, generator=gen) * k ** -0.5).to(dev, dtype)
+    w = (torch.randn(e, k, n, generator=gen) * k**-0.5).to(dev, dtype)
     index = [i % e for i in range(g)]
     offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
     dy = torch.randn(sum(sizes), n, generator=gen).to(dev, dtype)
@@ -590,8 +766,9 @@ def ulysses_check(dev, smoke: bool) -> dict:
     chunks = 4
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     store = tempfile.NamedTemporaryFile(delete=False).name
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"file://{store}", rank=0,
-                            world_size=1)
+    dist.init_process_group(
+        "nccl" if dev.type == "cuda" else "gloo", init_method=f"file://{store}", rank=0, world_size=1
+    )
     try:
         mesh = init_device_mesh(dev.type, (1,))
         kw = dict(batch=2, seq=64, dim=128, n_heads=8) if smoke else dict(batch=2, seq=4096, dim=2048, n_heads=16)
@@ -608,12 +785,26 @@ def ulysses_check(dev, smoke: bool) -> dict:
             res.append([y.detach(), xi.grad, *(p.grad for p in m.parameters())])
         errs = [(a.float() - b.float()).abs().max().item() for a, b in zip(*res)]
         scale = max(b.float().abs().max().item() for b in res[0])
-        calls = {kind: {str(n.target): sum(m.target is n.target for m in gm.graph.nodes)
-                        for n in gm.graph.nodes if n.target in BATCHED} for kind, gm in be.graphs}
-        sites = sorted({(s.graph, s.pattern, s.status, s.chunks, s.reason) for s in be.report.sites
-                        if s.pattern != "collective"})
-        out = {"dtype": str(dtype), **kw, "chunks": chunks, "attention_calls": calls, "sites": sites,
-               "max_err": max(errs), "ref_scale": scale}
+        calls = {
+            kind: {
+                str(n.target): sum(m.target is n.target for m in gm.graph.nodes)
+                for n in gm.graph.nodes
+                if n.target in BATCHED
+            }
+            for kind, gm in be.graphs
+        }
+        sites = sorted(
+            {(s.graph, s.pattern, s.status, s.chunks, s.reason) for s in be.report.sites if s.pattern != "collective"}
+        )
+        out = {
+            "dtype": str(dtype),
+            **kw,
+            "chunks": chunks,
+            "attention_calls": calls,
+            "sites": sites,
+            "max_err": max(errs),
+            "ref_scale": scale,
+        }
         problems = []
         if any(st != "rewritten" for _, _, st, _, _ in sites) or len(sites) != 4:
             problems.append(f"not every all-to-all site rewritten: {sites}")
@@ -634,19 +825,31 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny shapes (runs under the interpreter on a CPU)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default="gpu_check.json")
-    p.add_argument("--budget", type=float, default=240.0,
-                   help="seconds after which no further kernel check starts (the workspace check still runs)")
-    p.add_argument("--stage", default="all", choices=["all", "rs", "ag", "pipe", "workspace", "ops", "grouped", "ulysses"],
-                   help="run one part only (a GPU hang ends its process: run the parts as separate processes)")
-    p.add_argument("--ops", type=int, default=2, metavar="WORLD",
-                   help="ranks (processes, one GPU each) of the fused-op check (0: skip it)")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=240.0,
+        help="seconds after which no further kernel check starts (the workspace check still runs)",
+    )
+    p.add_argument(
+        "--stage",
+        default="all",
+        choices=["all", "rs", "ag", "pipe", "workspace", "ops", "grouped", "ulysses"],
+        help="run one part only (a GPU hang ends its process: run the parts as separate processes)",
+    )
+    p.add_argument(
+        "--ops",
+        type=int,
+        default=2,
+        metavar="WORLD",
+        help="ranks (processes, one GPU each) of the fused-op check (0: skip it)",
+    )
     p.add_argument("--ops-rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--ops-world", type=int, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.ops_rank is not None:  # one rank of fused_ops_check
-        print("OPS_RESULT " + json.dumps(fused_ops_rank(args.ops_rank, args.ops_world, args.port)),
-              flush=True)
+        print("OPS_RESULT " + json.dumps(fused_ops_rank(args.ops_rank, args.ops_world, args.port)), flush=True)
         return
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cpu" and not args.smoke:
@@ -662,8 +865,13 @@ def main(argv=None):
     import traceback
 
     import triton
-    env = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)",
-               torch=torch.__version__, triton=triton.__version__, python=platform.python_version())
+
+    env = dict(
+        device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)",
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=platform.python_version(),
+    )
     print(f"gpu_check: {env}", flush=True)
     out = dict(env=env, rows=[], errors=[], workspace=None, ops=None, grouped=None, ulysses=None)
 
@@ -677,6 +885,7 @@ def main(argv=None):
     if dev.type == "cuda":  # where a hang that no guard covers sits (a tuning loop, say)
         import faulthandler
         import sys
+
         faulthandler.dump_traceback_later(45, repeat=True, file=sys.stdout)
     st = args.stage
     kernels = [("gemm_rs", gemm_rs, lambda M, K, N: (M, K, N), {})] if st in ("all", "rs") else []
@@ -712,12 +921,23 @@ def main(argv=None):
         save()
 
     if st in ("all", "grouped"):
-        part("grouped", "grouped_mm", lambda: grouped_check(dev, args.smoke, args.reps),
-             lambda gr: [f"grouped_mm differs from the loop it replaces: {gr['max_err_vs_loop']}"]
-             if any(v != 0 for v in gr["max_err_vs_loop"].values()) else [])
+        part(
+            "grouped",
+            "grouped_mm",
+            lambda: grouped_check(dev, args.smoke, args.reps),
+            lambda gr: (
+                [f"grouped_mm differs from the loop it replaces: {gr['max_err_vs_loop']}"]
+                if any(v != 0 for v in gr["max_err_vs_loop"].values())
+                else []
+            ),
+        )
     if st in ("all", "ulysses"):
-        part("ulysses", "ulysses", lambda: ulysses_check(dev, args.smoke),
-             lambda ul: [f"ulysses: {p}" for p in ul["problems"]])
+        part(
+            "ulysses",
+            "ulysses",
+            lambda: ulysses_check(dev, args.smoke),
+            lambda ul: [f"ulysses: {p}" for p in ul["problems"]],
+        )
     if args.ops and st in ("all", "ops"):
         out["ops"] = sh = fused_ops_check(args.ops)
         if sh.get("skipped"):
@@ -732,32 +952,50 @@ def main(argv=None):
         part("workspace", "workspace", lambda: workspace_check(dev), label=lambda w: f"workspace ({w['backend']})")
     rows = out["rows"]
     print(f"\ndevice: {env['device']}, torch {env['torch']}, triton {env['triton']}, bf16, world {world} emulated")
-    print(f"{'kernel':16} {'M':>6} {'K':>6} {'N':>6} {'fused TF/s':>10} {'mm TF/s':>8} {'fused/mm':>8} "
-          f"{'+producer':>9} {'max err':>8}  config")
+    print(
+        f"{'kernel':16} {'M':>6} {'K':>6} {'N':>6} {'fused TF/s':>10} {'mm TF/s':>8} {'fused/mm':>8} "
+        f"{'+producer':>9} {'max err':>8}  config"
+    )
+
     def num(v, fmt):
         return "-" if v is None else format(v, fmt)
 
     for r in rows:
         c = r["config"]
-        print(f"{r['kernel']:16} {r['M']:6} {r['K']:6} {r['N']:6} {num(r['tflops_fused'], '.1f'):>10} "
-              f"{num(r['tflops_mm'], '.1f'):>8} {num(r['ratio'], '.2f'):>8} {num(r.get('tflops_with_producer'), '.0f'):>9} "
-              f"{r['max_err']:8.3g}  "
-              f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']}")
+        print(
+            f"{r['kernel']:16} {r['M']:6} {r['K']:6} {r['N']:6} {num(r['tflops_fused'], '.1f'):>10} "
+            f"{num(r['tflops_mm'], '.1f'):>8} {num(r['ratio'], '.2f'):>8} "
+            f"{num(r.get('tflops_with_producer'), '.0f'):>9} "
+            f"{r['max_err']:8.3g}  "
+            f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']}"
+        )
     for e in out["errors"]:
         print(f"error: {e}")
     problems = list(out["errors"])
-    problems += [f"{r['kernel']} {r['M']}x{r['K']}x{r['N']}: max err {r['max_err']:.3g} is over 2% of the "
-                 f"reference's scale {r['ref_scale']:.3g}" for r in rows
-                 if r["max_err"] > 0.02 * max(1.0, r["ref_scale"])]
+    problems += [
+        f"{r['kernel']} {r['M']}x{r['K']}x{r['N']}: max err {r['max_err']:.3g} is over 2% of the "
+        f"reference's scale {r['ref_scale']:.3g}"
+        for r in rows
+        if r["max_err"] > 0.02 * max(1.0, r["ref_scale"])
+    ]
     w = out["workspace"]
-    if w and not (w["flags_ok"] and w["abort_ok"] and w["data_ok"] and w["pipelined_ok"]
-                  and max(w["max_err"], w["data_max_err"], w["pipelined_max_err"]) < 0.05):
+    if w and not (
+        w["flags_ok"]
+        and w["abort_ok"]
+        and w["data_ok"]
+        and w["pipelined_ok"]
+        and max(w["max_err"], w["data_max_err"], w["pipelined_max_err"]) < 0.05
+    ):
         problems.append(f"workspace check failed: {w}")
     sh = out["ops"]
     if sh:
         problems += [f"fused ops world: {f.splitlines()[0]}" for f in sh["failed"]]
-        problems += [f"fused ops world rank {r['rank']}: {c}" for r in sh["ranks"] for c in r["cases"]
-                     if c["max_err"] > 0.02 * max(1.0, c["ref_scale"])]
+        problems += [
+            f"fused ops world rank {r['rank']}: {c}"
+            for r in sh["ranks"]
+            for c in r["cases"]
+            if c["max_err"] > 0.02 * max(1.0, c["ref_scale"])
+        ]
     if problems:
         raise SystemExit("gpu_check: " + "; ".join(problems))
 

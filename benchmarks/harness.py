@@ -5,6 +5,7 @@ A benchmark module gives a :class:`Bench`: how to build its model on a 1-D mesh 
 ``(module, example_inputs)``), the loss of a training step, and its names. See
 benchmarks/common.py for the definitions of T_base, T_overlapc, T_compute, T_comm and E.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,8 +60,15 @@ def _variants(cfg):
     inner = cfg["inner"]
     backends = {
         "base": lambda: Backend(Options(inner=inner, strategy="none", schedule=False)),
-        "overlapc": lambda: Backend(Options(inner=inner, strategy="decompose", chunks=cfg["chunks"],
-                                            overrides=cfg.get("overrides", {}), hardware=cfg.get("hardware"))),
+        "overlapc": lambda: Backend(
+            Options(
+                inner=inner,
+                strategy="decompose",
+                chunks=cfg["chunks"],
+                overrides=cfg.get("overrides", {}),
+                hardware=cfg.get("hardware"),
+            )
+        ),
         "compute": lambda: compute_alone(inner),
     }
     for name, opts in cfg.get("extra", {}).items():  # --variant: more overlapc options, same run
@@ -77,15 +85,18 @@ def _variants(cfg):
 
 def _step_fn(compiled, model, inputs, mode):
     if mode == "forward":
+
         def step():
             with torch.no_grad():
                 compiled(*inputs)
     else:
+
         def step():
             for p in [*model.parameters(), *inputs]:
                 if isinstance(p, torch.Tensor):
                     p.grad = None
             compiled(*inputs).float().pow(2).mean().backward()
+
     return step
 
 
@@ -96,8 +107,9 @@ def bench_job(cfg: dict) -> dict:
     # otherwise dynamo breaks the graph there and specialises each rank on its own sizes.
     torch._dynamo.config.capture_scalar_outputs = cfg["model"].get("form") == "dropless"
     variants = _variants(cfg)
-    steps = {n: _step_fn(c, m, x, cfg["mode"]) for n, (c, m, be, x) in variants.items()
-             if n in cfg.get("variants", variants)}
+    steps = {
+        n: _step_fn(c, m, x, cfg["mode"]) for n, (c, m, be, x) in variants.items() if n in cfg.get("variants", variants)
+    }
     for s in steps.values():  # compile + warm up
         s()
         s()
@@ -133,11 +145,16 @@ def bench_job(cfg: dict) -> dict:
     result["variants"] = {}
     for name, opts in cfg.get("extra", {}).items():
         t = statistics.median(times[name])
-        result["variants"][name] = {"options": opts, "t": t, "speedup": result["t_base"] / t,
-                                    "efficiency": (result["t_base"] - t) / denom}
+        result["variants"][name] = {
+            "options": opts,
+            "t": t,
+            "speedup": result["t_base"] / t,
+            "efficiency": (result["t_base"] - t) / denom,
+        }
     # Collective payloads each compiled step hands its process group, by graph and op.
-    result["bytes"] = {name: common.payload_bytes(be.report, graphs) for name, (_, _, be, _) in variants.items()
-                       if name != "compute"}
+    result["bytes"] = {
+        name: common.payload_bytes(be.report, graphs) for name, (_, _, be, _) in variants.items() if name != "compute"
+    }
     result["n_collectives"] = len(calls)
     result["comm_approx"] = any(c.get("approx") for c in calls)
     rep = variants["overlapc"][2].report
@@ -176,6 +193,7 @@ def predicted_saving(report) -> float:
 
 def calibrate_job():
     from overlapc.calibrate import measure
+
     return measure(name="emulated-cluster")
 
 
@@ -245,8 +263,15 @@ def run(bench: Bench, model: dict, args) -> list[dict]:
     EmulatedCluster.cleanup_stale()
     for world_size in args.world_sizes:
         for mode in args.modes:
-            cfg = dict(builder=bench.builder, model=model, inner=args.inner, chunks=args.chunks, extra=extra,
-                       mode=mode, iters=args.iters)
+            cfg = dict(
+                builder=bench.builder,
+                model=model,
+                inner=args.inner,
+                chunks=args.chunks,
+                extra=extra,
+                mode=mode,
+                iters=args.iters,
+            )
             rate = 400.0 if args.rate == "auto" else float(args.rate)
             with EmulatedCluster(world_size, rate_mbit=rate) as cluster:
                 with cluster.world(timeout=3600) as world:
@@ -256,8 +281,11 @@ def run(bench: Bench, model: dict, args) -> list[dict]:
                             cal = world.run(bench_job, {**cfg, "calibrate": True})[0]
                             rate = rate * cal["t_comm"] / cal["t_compute"]
                             cluster.set_rate(round(rate, 1))
-                            print(f"  calibrate w{world_size} {mode}: compute {cal['t_compute']*1e3:.0f} ms, "
-                                  f"comm {cal['t_comm']*1e3:.0f} ms -> rate {rate:.0f} Mbit/s", flush=True)
+                            print(
+                                f"  calibrate w{world_size} {mode}: compute {cal['t_compute'] * 1e3:.0f} ms, "
+                                f"comm {cal['t_comm'] * 1e3:.0f} ms -> rate {rate:.0f} Mbit/s",
+                                flush=True,
+                            )
                     # chunks="auto" is the planner's count: plan with this cluster's profile.
                     profile_path, prof = _calibrated_profile(world, world_size, rate)
                     try:
@@ -265,17 +293,30 @@ def run(bench: Bench, model: dict, args) -> list[dict]:
                     finally:
                         os.unlink(profile_path)
             # The profile the planner used: its choices can be re-derived offline (fake world).
-            res.update(world_size=world_size, mode=mode, rate_mbit=round(rate, 1), inner=args.inner,
-                       chunks=args.chunks, model=model, profile=prof)
-            print(f"w{world_size} {mode:8s} rate {rate:6.0f} Mbit/s  base {res['t_base']*1e3:7.1f} ms  "
-                  f"overlapc {res['t_overlapc']*1e3:7.1f} ms  compute {res['t_compute']*1e3:7.1f} ms  "
-                  f"comm {res['t_comm']*1e3:7.1f} ms  speedup {res['speedup']:.2f}x  E {res['efficiency']:.2f}  "
-                  f"predicted {res['predicted_speedup'] or float('nan'):.2f}x  loaded compute "
-                  f"{(res['t_compute_loaded'] or float('nan'))*1e3:.1f} ms comm {(res['t_comm_loaded'] or float('nan'))*1e3:.1f} ms",
-                  flush=True)
+            res.update(
+                world_size=world_size,
+                mode=mode,
+                rate_mbit=round(rate, 1),
+                inner=args.inner,
+                chunks=args.chunks,
+                model=model,
+                profile=prof,
+            )
+            print(
+                f"w{world_size} {mode:8s} rate {rate:6.0f} Mbit/s  base {res['t_base'] * 1e3:7.1f} ms  "
+                f"overlapc {res['t_overlapc'] * 1e3:7.1f} ms  compute {res['t_compute'] * 1e3:7.1f} ms  "
+                f"comm {res['t_comm'] * 1e3:7.1f} ms  speedup {res['speedup']:.2f}x  E {res['efficiency']:.2f}  "
+                f"predicted {res['predicted_speedup'] or float('nan'):.2f}x  loaded compute "
+                f"{(res['t_compute_loaded'] or float('nan')) * 1e3:.1f} ms "
+                f"comm {(res['t_comm_loaded'] or float('nan')) * 1e3:.1f} ms",
+                flush=True,
+            )
             for name, v in res.get("variants", {}).items():
-                print(f"    variant {name} {v['options']}: {v['t']*1e3:7.1f} ms  speedup {v['speedup']:.2f}x  "
-                      f"E {v['efficiency']:.2f}", flush=True)
+                print(
+                    f"    variant {name} {v['options']}: {v['t'] * 1e3:7.1f} ms  speedup {v['speedup']:.2f}x  "
+                    f"E {v['efficiency']:.2f}",
+                    flush=True,
+                )
             rows.append(res)
     return rows
 
@@ -290,8 +331,11 @@ def report(bench: Bench, rows, args, cmd: str, extra: str = "") -> None:
                 continue
             suffix = "" if who == "overlapc" else "_baseline"
             name = f"timeline_{bench.stem}{tag}_w{r['world_size']}_{r['mode']}{suffix}.png"
-            common.timeline_png(tl, os.path.join(common.RESULTS, name),
-                                f"{who}, {bench.title}, world {r['world_size']}, {r['mode']} step, rank 0")
+            common.timeline_png(
+                tl,
+                os.path.join(common.RESULTS, name),
+                f"{who}, {bench.title}, world {r['world_size']}, {r['mode']} step, rank 0",
+            )
             if who == "overlapc":
                 r["timeline_png"] = f"benchmarks/results/{name}"
     common.write_json(f"{bench.stem}{tag}.json", rows)
@@ -304,48 +348,73 @@ def report(bench: Bench, rows, args, cmd: str, extra: str = "") -> None:
         "",
         f"Reproduce: `{cmd}`",
         "",
-        "| world | step | link Mbit/s | T_base ms | T_overlapc ms | T_compute ms | T_comm ms | speedup | E | ideal speedup "
+        "| world | step | link Mbit/s | T_base ms | T_overlapc ms | T_compute ms | T_comm ms | speedup | E "
+        "| ideal speedup "
         "| predicted speedup | compute under comm | comm under compute |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         pred = f"{r['predicted_speedup']:.2f}x" if r.get("predicted_speedup") else "n/a"
-        lines.append(f"| {r['world_size']} | {r['mode']} | {r['rate_mbit']:.0f} | {r['t_base']*1e3:.1f} | "
-                     f"{r['t_overlapc']*1e3:.1f} | {r['t_compute']*1e3:.1f} | {r['t_comm']*1e3:.1f} | "
-                     f"{r['speedup']:.2f}x | {r['efficiency']:.2f} | {r['ideal_speedup']:.2f}x | {pred} | "
-                     + (f"{r['t_compute_loaded']/r['t_compute']:.2f}x slower | {r['t_comm_loaded']/r['t_comm']:.2f}x slower |"
-                        if r.get("t_compute_loaded") else "n/a | n/a |"))
-    lines += ["", "Predicted speedup: the measured T_base less what the cost model, under the profile "
-                  "calibrated inside this cluster in the same run, predicts the rewritten sites save at the "
-                  "chunk counts they got (the step's other compute taken as measured).",
-              "",
-              "Compute under comm: the compute-only step timed while a side thread replays the step's "
-              "collectives on a second process group, against the step alone; comm under compute: those "
-              "replays against the replay alone. Here both compete for the same 2 cores (gloo's threads "
-              "copy, reduce and push the bytes through the kernel's TCP stack, and every message waits "
-              "for a core to wake its thread), so overlap buys less than min(T_compute, T_comm). The "
-              "replay issues its collectives one at a time, each waited on; under load each one's "
-              "wake-ups queue behind busy cores, so for steps of many short collectives (forward) the "
-              "second ratio over-states what overlapc's concurrent chunks pay."]
+        lines.append(
+            f"| {r['world_size']} | {r['mode']} | {r['rate_mbit']:.0f} | {r['t_base'] * 1e3:.1f} | "
+            f"{r['t_overlapc'] * 1e3:.1f} | {r['t_compute'] * 1e3:.1f} | {r['t_comm'] * 1e3:.1f} | "
+            f"{r['speedup']:.2f}x | {r['efficiency']:.2f} | {r['ideal_speedup']:.2f}x | {pred} | "
+            + (
+                f"{r['t_compute_loaded'] / r['t_compute']:.2f}x slower | "
+                f"{r['t_comm_loaded'] / r['t_comm']:.2f}x slower |"
+                if r.get("t_compute_loaded")
+                else "n/a | n/a |"
+            )
+        )
+    lines += [
+        "",
+        "Predicted speedup: the measured T_base less what the cost model, under the profile "
+        "calibrated inside this cluster in the same run, predicts the rewritten sites save at the "
+        "chunk counts they got (the step's other compute taken as measured).",
+        "",
+        "Compute under comm: the compute-only step timed while a side thread replays the step's "
+        "collectives on a second process group, against the step alone; comm under compute: those "
+        "replays against the replay alone. Here both compete for the same 2 cores (gloo's threads "
+        "copy, reduce and push the bytes through the kernel's TCP stack, and every message waits "
+        "for a core to wake its thread), so overlap buys less than min(T_compute, T_comm). The "
+        "replay issues its collectives one at a time, each waited on; under load each one's "
+        "wake-ups queue behind busy cores, so for steps of many short collectives (forward) the "
+        "second ratio over-states what overlapc's concurrent chunks pay.",
+    ]
     names = list(dict.fromkeys(n for r in rows for n in r.get("variants", {})))
     if names:
-        lines += ["", "Other overlapc options timed in the same interleaved run (same T_base, T_compute, T_comm; "
-                      "speedup against T_base):", "",
-                  "| world | step | " + " | ".join(f"{n}: {_opts(rows, n)}" for n in names) + " |",
-                  "|---|---|" + "---|" * len(names)]
+        lines += [
+            "",
+            "Other overlapc options timed in the same interleaved run (same T_base, T_compute, T_comm; "
+            "speedup against T_base):",
+            "",
+            "| world | step | " + " | ".join(f"{n}: {_opts(rows, n)}" for n in names) + " |",
+            "|---|---|" + "---|" * len(names),
+        ]
         for r in rows:
             v = r.get("variants", {})
-            lines.append(f"| {r['world_size']} | {r['mode']} | " + " | ".join(
-                f"{v[n]['t']*1e3:.1f} ms, {v[n]['speedup']:.2f}x, E {v[n]['efficiency']:.2f}" if n in v else "n/a"
-                for n in names) + " |")
+            lines.append(
+                f"| {r['world_size']} | {r['mode']} | "
+                + " | ".join(
+                    f"{v[n]['t'] * 1e3:.1f} ms, {v[n]['speedup']:.2f}x, E {v[n]['efficiency']:.2f}" if n in v else "n/a"
+                    for n in names
+                )
+                + " |"
+            )
     pngs = [r["timeline_png"] for r in rows if r.get("timeline_png")]
     if pngs:
-        lines += ["", "One overlapc step (rank 0): GEMM chunks (dark blue) run while collectives (red) are "
-                      "on the wire. Baseline timelines are beside them (`*_baseline.png`).", ""]
+        lines += [
+            "",
+            "One overlapc step (rank 0): GEMM chunks (dark blue) run while collectives (red) are "
+            "on the wire. Baseline timelines are beside them (`*_baseline.png`).",
+            "",
+        ]
         lines += [f"![timeline]({p})" for p in pngs[:2]]
     if any(r.get("comm_approx") for r in rows):
-        extra = ("T_comm is approximate: all-to-alls whose sizes are known only at run time (the "
-                 "dropless combine) are replayed at the dispatch's size, split evenly. " + extra).strip()
+        extra = (
+            "T_comm is approximate: all-to-alls whose sizes are known only at run time (the "
+            "dropless combine) are replayed at the dispatch's size, split evenly. " + extra
+        ).strip()
     if extra:
         lines += ["", extra]
     section = bench.section if not tag else f"{bench.section}, inner={args.inner}"
@@ -361,9 +430,15 @@ def parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--inner", default="eager", choices=["eager", "inductor"])
     p.add_argument("--chunks", default="auto", type=lambda s: s if s == "auto" else int(s))
     p.add_argument("--iters", type=int, default=7)
-    p.add_argument("--variant", nargs="+", action="append", type=str, metavar=("NAME", "OPTION=VALUE"),
-                   help="also time overlapc with these options in the same interleaved run, e.g. "
-                        "--variant mb2 microbatches=2 strategy=none (repeatable; reported in the JSON and printed)")
+    p.add_argument(
+        "--variant",
+        nargs="+",
+        action="append",
+        type=str,
+        metavar=("NAME", "OPTION=VALUE"),
+        help="also time overlapc with these options in the same interleaved run, e.g. "
+        "--variant mb2 microbatches=2 strategy=none (repeatable; reported in the JSON and printed)",
+    )
     p.add_argument("--no-timeline", dest="timeline", action="store_false")
     p.add_argument("--default-cmd", action="store_true", help=argparse.SUPPRESS)
     return p

@@ -9,6 +9,7 @@ only per phase: a whole-step time mixes both. Every call is synchronous on CPU (
 are in the graphs), so the forward's time ends when its last collective has. Prints median
 ms per phase. A measurement, not a test.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -13,6 +13,7 @@ with DTensor's ``parallelize_module``:
 ``build_tp_sp(mesh)`` / ``build_tp(mesh)`` return ``(model, example_inputs)``: the form
 ``overlapc explain MODULE:CALLABLE`` takes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -93,9 +94,7 @@ class Attention(nn.Module):
         if rep > 1:
             k = k.repeat_interleave(rep, dim=2)
             v = v.repeat_interleave(rep, dim=2)
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -137,7 +136,8 @@ class Llama(nn.Module):
         finally:
             torch.random.set_rng_state(gen_state)
         self.register_buffer(
-            "rope", rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta),
+            "rope",
+            rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta),
             persistent=False,
         )
 
@@ -152,8 +152,12 @@ class Llama(nn.Module):
 
 def _check_tp(cfg: LlamaConfig, tp: int):
     kv = cfg.n_kv_heads or cfg.n_heads
-    for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", kv), ("ffn_dim", cfg.ffn_dim),
-                    ("vocab_size", cfg.vocab_size)):
+    for what, n in (
+        ("n_heads", cfg.n_heads),
+        ("n_kv_heads", kv),
+        ("ffn_dim", cfg.ffn_dim),
+        ("vocab_size", cfg.vocab_size),
+    ):
         if n % tp:
             raise ValueError(f"LlamaConfig.{what}={n} is not divisible by the tensor-parallel degree {tp}")
 
@@ -170,27 +174,35 @@ def tp_sp_plan(model: Llama, mesh):
     )
 
     _check_tp(model.cfg, mesh.size())
-    parallelize_module(model, mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-    })
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
     for block in model.layers:
-        parallelize_module(block, mesh, {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        })
+        parallelize_module(
+            block,
+            mesh,
+            {
+                "attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+                ),
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            },
+        )
     return model
 
 
@@ -200,20 +212,28 @@ def tp_plan(model: Llama, mesh):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     _check_tp(model.cfg, mesh.size())
-    parallelize_module(model, mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-        "output": ColwiseParallel(output_layouts=Replicate()),
-    })
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
     for block in model.layers:
-        parallelize_module(block, mesh, {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(),
-        })
+        parallelize_module(
+            block,
+            mesh,
+            {
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(),
+            },
+        )
     return model
 
 

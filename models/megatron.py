@@ -4,6 +4,7 @@
 Weights are this rank's shards; every builder takes a 1-D mesh and returns
 ``(module, example_inputs)`` like the other reference models.
 """
+
 from __future__ import annotations
 
 import torch

@@ -27,6 +27,7 @@ grouped matmuls (``torch._grouped_mm``, ``expert_form="grouped"``: torch's meta 
 the groups (``expert_form="loop"``, any dtype: ``recv.split(sizes)``, a matmul chain per
 group, ``cat``, as Megatron's SequentialMLP).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -71,8 +72,10 @@ class MoEConfig:
             self.expert_form = "grouped"  # the default, adapted to the form
         allowed = ("bmm", "loop", "grouped") if self.form == "capacity" else ("grouped", "loop")
         if self.expert_form not in allowed:
-            raise ValueError(f"MoEConfig.expert_form={self.expert_form!r} with form={self.form!r}; "
-                             f"allowed: {', '.join(map(repr, allowed))}")
+            raise ValueError(
+                f"MoEConfig.expert_form={self.expert_form!r} with form={self.form!r}; "
+                f"allowed: {', '.join(map(repr, allowed))}"
+            )
         if self.dispatch not in ("index", "einsum"):
             raise ValueError(f"MoEConfig.dispatch={self.dispatch!r}; allowed: 'index', 'einsum'")
         if self.dispatch == "einsum" and self.form != "capacity":
@@ -89,10 +92,12 @@ def _expert_weights(cfg: MoEConfig, e: int) -> tuple[torch.Tensor, torch.Tensor,
     """Expert ``e``'s (w1, w3, w2), from a generator of its own: the same on every rank and
     at every expert-parallel degree."""
     g = torch.Generator().manual_seed(cfg.seed * 100_003 + 1 + e)
-    scale_in, scale_h = cfg.dim ** -0.5, cfg.hidden ** -0.5
-    return (torch.randn(cfg.dim, cfg.hidden, generator=g) * scale_in,
-            torch.randn(cfg.dim, cfg.hidden, generator=g) * scale_in,
-            torch.randn(cfg.hidden, cfg.dim, generator=g) * scale_h)
+    scale_in, scale_h = cfg.dim**-0.5, cfg.hidden**-0.5
+    return (
+        torch.randn(cfg.dim, cfg.hidden, generator=g) * scale_in,
+        torch.randn(cfg.dim, cfg.hidden, generator=g) * scale_in,
+        torch.randn(cfg.hidden, cfg.dim, generator=g) * scale_h,
+    )
 
 
 class MoE(nn.Module):
@@ -113,12 +118,12 @@ class MoE(nn.Module):
         # whatever the degree. (Drawing the full set on every rank took 10 s and 3 GiB per
         # rank at 32 experts of 2048 x 4096.)
         router = torch.randn(cfg.dim, cfg.n_experts, generator=torch.Generator().manual_seed(cfg.seed))
-        self.router = nn.Parameter(router * cfg.dim ** -0.5)
+        self.router = nn.Parameter(router * cfg.dim**-0.5)
         lo, hi = rank * self.n_local, (rank + 1) * self.n_local
         w1, w3, w2 = (torch.stack(ws) for ws in zip(*(_expert_weights(cfg, e) for e in range(lo, hi))))
         bias = torch.zeros(cfg.n_experts)
         bias[0] = cfg.skew
-        bias[cfg.n_experts // 2:] = -cfg.skew
+        bias[cfg.n_experts // 2 :] = -cfg.skew
         if cfg.n_experts == 1:
             bias.zero_()
         # A buffer, not a constant: tests change the routing without recompiling.
@@ -129,6 +134,7 @@ class MoE(nn.Module):
         if self.group is None:
             return x
         from torch.distributed._functional_collectives import all_to_all_single_autograd
+
         return all_to_all_single_autograd(x, None, None, self.group)
 
     def _experts(self, x):
@@ -147,7 +153,7 @@ class MoE(nn.Module):
 
     def _route(self, x):
         probs = torch.softmax(x.float() @ self.router.float() + self.router_bias, dim=-1)
-        gate, expert = torch.topk(probs, self.cfg.top_k, dim=-1)            # (t, k)
+        gate, expert = torch.topk(probs, self.cfg.top_k, dim=-1)  # (t, k)
         return (gate / gate.sum(-1, keepdim=True)).to(x.dtype), expert
 
     def forward(self, x):
@@ -159,8 +165,8 @@ class MoE(nn.Module):
         cap = capacity(cfg, t)
         gate, expert = self._route(x)
         # Position of each (token, choice) in its expert's slots, in token order.
-        onehot = F.one_hot(expert.reshape(-1), cfg.n_experts)                  # (t*k, E)
-        pos = ((torch.cumsum(onehot, 0) - 1) * onehot).sum(-1)                # (t*k,)
+        onehot = F.one_hot(expert.reshape(-1), cfg.n_experts)  # (t*k, E)
+        pos = ((torch.cumsum(onehot, 0) - 1) * onehot).sum(-1)  # (t*k,)
         keep = pos < cap
         if cfg.dispatch == "einsum":
             return self._forward_einsum(x, gate, onehot, pos, keep, cap)
@@ -168,7 +174,7 @@ class MoE(nn.Module):
         tok = torch.arange(t, device=x.device).repeat_interleave(cfg.top_k)
         # One spare row collects dropped tokens and is cut off.
         packed = x.new_zeros(cfg.n_experts * cap + 1, d).index_add(0, slot, x[tok])
-        packed = packed[: cfg.n_experts * cap]                                  # (E*cap, d) by expert
+        packed = packed[: cfg.n_experts * cap]  # (E*cap, d) by expert
         out = self._exchange(packed, cap)
         back = out.reshape(cfg.n_experts * cap, d)
         back = torch.cat([back, back.new_zeros(1, d)])
@@ -191,11 +197,11 @@ class MoE(nn.Module):
     def _forward_einsum(self, x, gate, onehot, pos, keep, cap):
         """GShard's dispatch and combine: one-hot (token, expert, slot) masks and einsums."""
         t, k, n_e = x.shape[0], self.cfg.top_k, self.cfg.n_experts
-        chosen = (onehot * keep.unsqueeze(1)).to(x.dtype).view(t, k, n_e)     # (t, k, E): kept choices
+        chosen = (onehot * keep.unsqueeze(1)).to(x.dtype).view(t, k, n_e)  # (t, k, E): kept choices
         at = F.one_hot(pos.clamp(0, cap - 1), cap).to(x.dtype).view(t, k, 1, cap)
-        dispatch = (chosen.unsqueeze(-1) * at).sum(1)                         # (t, E, cap)
-        combine = ((gate.unsqueeze(-1) * chosen).unsqueeze(-1) * at).sum(1)    # (t, E, cap), gate-weighted
-        xe = torch.einsum("tec,td->ecd", dispatch, x)                          # (E, cap, d)
+        dispatch = (chosen.unsqueeze(-1) * at).sum(1)  # (t, E, cap)
+        combine = ((gate.unsqueeze(-1) * chosen).unsqueeze(-1) * at).sum(1)  # (t, E, cap), gate-weighted
+        xe = torch.einsum("tec,td->ecd", dispatch, x)  # (E, cap, d)
         return torch.einsum("tec,ecd->td", combine, self._exchange(xe, cap))
 
     def _dropless_loop(self, recv, counts_recv):
@@ -213,24 +219,25 @@ class MoE(nn.Module):
         cfg, ep, n_local = self.cfg, self.ep, self.n_local
         t, d = x.shape
         gate, expert = self._route(x)
-        flat = expert.reshape(-1)                                              # (t*k,)
-        order = torch.argsort(flat, stable=True)                               # by global expert
+        flat = expert.reshape(-1)  # (t*k,)
+        order = torch.argsort(flat, stable=True)  # by global expert
         tok = order // cfg.top_k
-        xs = x[tok]                                                            # (t*k, d)
-        counts = F.one_hot(flat, cfg.n_experts).sum(0)                         # tokens per expert
+        xs = x[tok]  # (t*k, d)
+        counts = F.one_hot(flat, cfg.n_experts).sum(0)  # tokens per expert
         if self.group is None:
             counts_recv, in_splits, out_splits = counts, None, None
             recv = xs
         else:
             from torch.distributed import _functional_collectives as fc
+
             # counts_recv[r * n_local + e]: tokens rank r sends to my local expert e.
             counts_recv = fc.wait_tensor(fc.all_to_all_single(counts, None, None, self.group))
             if cfg.expert_form == "loop":
                 # The loop splits the received rows by these sizes: the all-to-all's splits
                 # are their sums, so that the pieces add up to the rows received.
                 sent, got = counts.tolist(), counts_recv.tolist()
-                in_splits = [sum(sent[r * n_local:(r + 1) * n_local]) for r in range(ep)]
-                out_splits = [sum(got[r * n_local:(r + 1) * n_local]) for r in range(ep)]
+                in_splits = [sum(sent[r * n_local : (r + 1) * n_local]) for r in range(ep)]
+                out_splits = [sum(got[r * n_local : (r + 1) * n_local]) for r in range(ep)]
             else:
                 in_splits = counts.view(ep, n_local).sum(1).tolist()
                 out_splits = counts_recv.view(ep, n_local).sum(1).tolist()
@@ -245,6 +252,7 @@ class MoE(nn.Module):
             out = torch._grouped_mm(h, w2, offs=offs)
         if self.group is not None:
             from torch.distributed._functional_collectives import all_to_all_single_autograd
+
             out = all_to_all_single_autograd(out, in_splits, out_splits, self.group)
         weighted = out * gate.reshape(-1)[order].unsqueeze(1)
         return x.new_zeros(t, d).index_add(0, tok, weighted)

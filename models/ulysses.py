@@ -13,6 +13,7 @@ projection::
 The all-to-alls are ``all_to_all_single_autograd`` (functional, autograd-aware), so
 ``torch.compile`` captures them in forward and backward.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,14 +48,13 @@ class UlyssesAttention(nn.Module):
         self.n_kv = cfg.n_kv_heads or cfg.n_heads
         for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", self.n_kv)):
             if n % self.sp:
-                raise ValueError(f"UlyssesConfig.{what}={n} is not divisible by the "
-                                 f"sequence-parallel degree {self.sp}")
+                raise ValueError(f"UlyssesConfig.{what}={n} is not divisible by the sequence-parallel degree {self.sp}")
         if cfg.n_heads % self.n_kv:
             raise ValueError(f"UlyssesConfig.n_kv_heads={self.n_kv} does not divide n_heads={cfg.n_heads}")
         if cfg.gqa not in ("repeat", "sdpa"):
             raise ValueError(f"UlyssesConfig.gqa={cfg.gqa!r}: expected 'repeat' or 'sdpa'")
         g = torch.Generator().manual_seed(cfg.seed)
-        scale = cfg.dim ** -0.5
+        scale = cfg.dim**-0.5
         kv_dim = self.n_kv * (cfg.dim // cfg.n_heads)
         for name, rows in (("wq", cfg.dim), ("wk", kv_dim), ("wv", kv_dim), ("wo", cfg.dim)):
             setattr(self, name, nn.Parameter(torch.randn(rows, cfg.dim, generator=g) * scale))
@@ -63,6 +63,7 @@ class UlyssesAttention(nn.Module):
         if self.group is None:
             return t
         from torch.distributed._functional_collectives import all_to_all_single_autograd
+
         return all_to_all_single_autograd(t, None, None, self.group)
 
     def _seq_to_heads(self, t):
@@ -70,7 +71,7 @@ class UlyssesAttention(nn.Module):
         b, s, h, hd = t.shape
         p = self.sp
         t = t.reshape(b, s, p, h // p, hd).permute(2, 1, 0, 3, 4).reshape(p * s, b, h // p, hd)
-        t = self._all_to_all(t)                     # row block r: sequence shard r
+        t = self._all_to_all(t)  # row block r: sequence shard r
         return t.permute(1, 2, 0, 3)
 
     def _heads_to_seq(self, t):
@@ -83,8 +84,10 @@ class UlyssesAttention(nn.Module):
     def forward(self, x):
         b, s, d = x.shape
         h, hd = self.cfg.n_heads, d // self.cfg.n_heads
-        q, k, v = (self._seq_to_heads(F.linear(x, w).view(b, s, n, hd))
-                   for w, n in ((self.wq, h), (self.wk, self.n_kv), (self.wv, self.n_kv)))
+        q, k, v = (
+            self._seq_to_heads(F.linear(x, w).view(b, s, n, hd))
+            for w, n in ((self.wq, h), (self.wk, self.n_kv), (self.wv, self.n_kv))
+        )
         if self.n_kv != h and self.cfg.gqa == "repeat":
             k, v = _repeat_kv(k, h // self.n_kv), _repeat_kv(v, h // self.n_kv)
         return F.linear(self._heads_to_seq(self.attend(q, k, v)), self.wo)
@@ -92,8 +95,9 @@ class UlyssesAttention(nn.Module):
     def attend(self, q, k, v):
         """Attention over the whole sequence for this rank's heads, (B, H/P, S, hd) each
         (k, v: (B, H_kv/P, S, hd) where ``gqa="sdpa"``)."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=self.cfg.causal,
-                                              **({"enable_gqa": True} if k.shape[1] != q.shape[1] else {}))
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=self.cfg.causal, **({"enable_gqa": True} if k.shape[1] != q.shape[1] else {})
+        )
 
 
 def _repeat_kv(t, n: int):

@@ -10,6 +10,7 @@ Three doors, one pipeline behind them::
 
 See README.md and ../shared/DESIGN.md for how the pieces fit.
 """
+
 from .compiler import Backend, backend, last_report, overlapc_backend, reset_report
 from .decorator import overlap
 from .errors import OverlapCommError, OverlapError
@@ -19,7 +20,18 @@ from .options import Options
 from .report import Report, Site
 
 __all__ = [
-    "Backend", "backend", "overlap", "explain", "rewrite", "last_report", "reset_report",
-    "Options", "OverlapCommError", "OverlapError", "Report", "Site", "overlapc_backend",
+    "Backend",
+    "backend",
+    "overlap",
+    "explain",
+    "rewrite",
+    "last_report",
+    "reset_report",
+    "Options",
+    "OverlapCommError",
+    "OverlapError",
+    "Report",
+    "Site",
+    "overlapc_backend",
 ]
 __version__ = "0.1.0"

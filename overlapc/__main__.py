@@ -1,4 +1,5 @@
 """``python -m overlapc ...`` (and ``torchrun ... -m overlapc calibrate``): the CLI."""
+
 import sys
 
 from .cli import main

@@ -8,6 +8,7 @@ ranks of each of its groups exchange what they planned, once, through the c10d s
 (not the group itself, see ``_exchange``), and every rank raises the same
 ``OverlapError``, naming the first site that differs, instead of hanging.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -27,8 +28,7 @@ def plan_key(site: Site) -> tuple:
     inp, out = site.shapes.get("input"), site.shapes.get("output")
     if site.details.get("rows") == "at run time":
         inp, out = (s[1:] if isinstance(s, list) else s for s in (inp, out))
-    return (site.name, site.pattern, site.collective_op, site.status, site.strategy, site.chunks,
-            repr(inp), repr(out))
+    return (site.name, site.pattern, site.collective_op, site.status, site.strategy, site.chunks, repr(inp), repr(out))
 
 
 def _describe(key: tuple | None) -> str:
@@ -98,4 +98,5 @@ def check_plans_agree(graph_kind: str, sites: Iterable[Site]) -> None:
                 f"ranks planned the {graph_kind} graph differently at site {site!r} (#{i}): "
                 f"rank {ranks[0]}: {_describe(a)}; rank {rank}: {_describe(b)}. The rewritten "
                 f"collectives would not match and the ranks would hang. Every rank of group "
-                f"{name!r} must compile with the same overlapc options and the same input shapes.")
+                f"{name!r} must compile with the same overlapc options and the same input shapes."
+            )

@@ -23,6 +23,7 @@ sizes (whether a site pays, how many chunks), so the backend returns a dispatche
 
 Dynamo's own guards stay in charge of everything else (dtypes, devices, static dims).
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,12 +45,12 @@ def symbolic_inputs(gm: torch.fx.GraphModule) -> list | None:
     if not any(_is_symbolic(v) for v in vals):
         return None
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
     for v in vals:
         if isinstance(v, torch.Tensor) and is_traceable_wrapper_subclass(v) and _is_symbolic(v):
             # Re-fakeifying a subclass needs its inner tensors' contexts: compile once with
             # dynamo's symbols instead; sites with symbolic sizes are then reported, not rewritten.
-            log.info("overlapc: a %s input has dynamic sizes: no shape buckets for this graph",
-                     type(v).__name__)
+            log.info("overlapc: a %s input has dynamic sizes: no shape buckets for this graph", type(v).__name__)
             return None
     return vals
 
@@ -66,6 +67,7 @@ def _is_symbolic(v) -> bool:
 def entry_limit() -> int:
     """Compiled entries per bucketed graph: dynamo's own recompile limit."""
     import torch._dynamo.config as dc
+
     return int(getattr(dc, "recompile_limit", None) or getattr(dc, "cache_size_limit", 8))
 
 
@@ -113,8 +115,13 @@ class BucketedGraph:
         self.compiles = 0
         self.fell_back = 0
         """Calls run uncompiled because the entry limit was reached."""
-        self._sizes = {d.node.expr for v in example_values if isinstance(v, torch.Tensor)
-                       for d in v.shape if isinstance(d, torch.SymInt)}
+        self._sizes = {
+            d.node.expr
+            for v in example_values
+            if isinstance(v, torch.Tensor)
+            for d in v.shape
+            if isinstance(d, torch.SymInt)
+        }
         """Dynamo's size symbols: an int input that is none of them is a plain scalar, guarded
         but not bucketed (the plan depends on sizes only)."""
 
@@ -140,7 +147,9 @@ class BucketedGraph:
                 f"overlapc: this graph already has {self.compiles} shape-bucket entries "
                 f"(torch._dynamo.config.recompile_limit = {entry_limit()}); sizes in bucket {key} and any "
                 "other new ones run the captured graph without overlap (eager). Raise the limit, or mark "
-                "fewer dims dynamic, to compile them.", stacklevel=4)
+                "fewer dims dynamic, to compile them.",
+                stacklevel=4,
+            )
         self.fell_back += 1
 
     def _find(self, key, args) -> Entry | None:
@@ -211,26 +220,32 @@ class BucketedGraph:
             else:
                 fakes[i] = a
         from torch._functorch import config as functorch_config
+
         # The backward too is compiled now, inside the bucket: AOTAutograd may otherwise
         # defer it to the first backward(), outside it (no rewrites, guards not recorded).
-        lazy = ({"force_non_lazy_backward_lowering": True}
-                if hasattr(functorch_config, "force_non_lazy_backward_lowering") else {})
+        lazy = (
+            {"force_non_lazy_backward_lowering": True}
+            if hasattr(functorch_config, "force_non_lazy_backward_lowering")
+            else {}
+        )
         with shape_bucket(reps), functorch_config.patch(lazy):
             compiled = self.compile_fn(self.gm, fakes)
         # Guards over the size-carrying inputs (a placeholder may also hold e.g. a DeviceMesh).
         # Tensor subclasses (DTensor parameters) are static here: dynamo guards them.
         from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-        keep = [i for i, f in enumerate(fakes) if isinstance(f, torch.SymInt)
-                or (isinstance(f, torch.Tensor) and not is_traceable_wrapper_subclass(f))]
+
+        keep = [
+            i
+            for i, f in enumerate(fakes)
+            if isinstance(f, torch.SymInt) or (isinstance(f, torch.Tensor) and not is_traceable_wrapper_subclass(f))
+        ]
         guards = _guard_expression(env, [fakes[i] for i in keep])
         entry = Entry(compiled, guards, keep)
         self.entries.setdefault(key, []).append(entry)
         self.compiles += 1
-        log.info("overlapc: compiled shape bucket %s (%d entries); guards: %s", key,
-                 self.compiles, guards or "none")
+        log.info("overlapc: compiled shape bucket %s (%d entries); guards: %s", key, self.compiles, guards or "none")
         if not entry.accepts(args):  # the compile's own guards must hold for the call that made it
-            raise RuntimeError(f"overlapc: the entry compiled for bucket {key} rejects its own sizes "
-                               f"(guards {guards})")
+            raise RuntimeError(f"overlapc: the entry compiled for bucket {key} rejects its own sizes (guards {guards})")
         return entry
 
 
@@ -242,6 +257,7 @@ def _guard_expression(env, placeholders) -> str | None:
     then read "x and a == 1 or b == 0" and accept sizes the entry was not compiled for."""
     from torch._dynamo.source import LocalSource
 
-    guards = env.produce_guards(placeholders, [LocalSource(f"t{i}") for i in range(len(placeholders))],
-                                ignore_static=True)
+    guards = env.produce_guards(
+        placeholders, [LocalSource(f"t{i}") for i in range(len(placeholders))], ignore_static=True
+    )
     return " and ".join(f"({g})" for g in guards) or None

@@ -25,6 +25,7 @@ in a row; loaded latency: the same with GEMMs on a side thread, over alone; chun
 overhead: six tiny ops (the slices, views and concatenation parts a chunk adds). Copy
 rate: a 64 MiB copy; first touch of fresh memory: a new 64 MiB tensor filled, over a kept one.
 """
+
 from __future__ import annotations
 
 import json
@@ -154,6 +155,7 @@ def _pair_loss(issue, a, b, reps_mm: int, group, reps: int) -> float:
     """(both - longer) / shorter for a transfer (``issue()`` returns its work) and ``reps_mm``
     GEMMs ``a @ b`` started together, each of the three timed in every round (slowest rank,
     barrier before each), typical times over ``reps`` rounds; clamped to [0, 1]."""
+
     def gemms():
         for _ in range(reps_mm):
             torch.mm(a, b)
@@ -162,6 +164,7 @@ def _pair_loss(issue, a, b, reps_mm: int, group, reps: int) -> float:
         work = issue()
         gemms()
         work.wait()
+
     both()
     t_c, t_g, t_both = _rounds((lambda: issue().wait(), gemms, both), group, reps)
     return min(1.0, max(0.0, (t_both - max(t_c, t_g)) / min(t_c, t_g)))
@@ -180,6 +183,7 @@ def _loaded_latency(seq, a, b, group, reps: int) -> float:
         def spin():
             while not stop.is_set():
                 torch.mm(a, b)
+
         th = threading.Thread(target=spin, name="overlapc-calibrate-load", daemon=True)
         th.start()
         try:
@@ -194,6 +198,7 @@ def _concurrent_excess(issue, link: float, group, reps: int) -> float:
     """Two transfers (``issue()`` returns its work) issued at once against one after the
     other, timed round by round: the share of a transfer's time beyond ``link`` (its bytes at
     the link's best rate) that still shows when they run side by side; clamped to [0, 1]."""
+
     def seq():
         issue().wait()
         issue().wait()
@@ -202,6 +207,7 @@ def _concurrent_excess(issue, link: float, group, reps: int) -> float:
         a, b = issue(), issue()
         a.wait()
         b.wait()
+
     t_seq, t_tog = (t / 2 for t in _rounds((seq, together), group, reps))
     if t_seq - link <= 0.05 * t_seq:  # nothing beyond the link's rate to hide
         return 1.0
@@ -228,6 +234,7 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
             flops.append(2 * m * n * k)
             times.append(_median(lambda: torch.mm(a, b), reps))
         points[dt] = [[f, round(t, 9)] for f, t in zip(flops, times)]
+
         def fit(half_rows):  # (rate, half_flops) of the times without the rows term
             icpt, slope = _fit(flops, [t / (1 + half_rows / m) for t, (m, _, _) in zip(times, GEMM_SIZES)])
             rate = 1 / slope if slope > 0 else max(f / t for f, t in zip(flops, times))
@@ -237,12 +244,18 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
         half_rows = _rows_term(dtype, False, half, reps)
         half_rows_batched = _rows_term(dtype, True, half, reps)
         rate, half = fit(half_rows)
-        gemm[dt] = {"peak_tflops": rate / 1e12, "eff_max": 1.0, "half_gflop": half / 1e9,
-                    "half_rows": round(half_rows, 1), "half_rows_batched": round(half_rows_batched, 1)}
+        gemm[dt] = {
+            "peak_tflops": rate / 1e12,
+            "eff_max": 1.0,
+            "half_gflop": half / 1e9,
+            "half_rows": round(half_rows, 1),
+            "half_rows_batched": round(half_rows_batched, 1),
+        }
     # All-gathers and all-to-alls at every size: the model reads these curves (bytes of one
     # rank's input -> time) where it has numbers. A link's rate per byte need not be
     # constant: over TCP on a shaped veth a 16 MiB all-to-all runs at 52-66% of the rate
-    # that 2 MiB ones reach, so chunks can be faster per byte than the whole. Each point is the time per message of a back-to-back run of at least
+    # that 2 MiB ones reach, so chunks can be faster per byte than the whole. Each point is
+    # the time per message of a back-to-back run of at least
     # STREAM_BYTES (a lone small message rides a token-bucket shaper's burst and looks faster
     # than the link, which a pipeline's chunks, sent one after another, are not).
     # Reduce-scatters keep alpha-beta times rs_factor: priced by their own curve, chunked
@@ -262,6 +275,7 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
         def stream(op):
             for _ in range(k):
                 op()
+
         # One message per run (the largest): three times the runs, their times being bimodal.
         n = reps if k > 1 else 3 * reps
         t_ag = _comm_time(lambda: stream(lambda: _all_gather(out, x, group=group)), group, n)
@@ -284,6 +298,7 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
     def tiny_seq():
         for _ in range(16):
             _all_gather(tiny_out, tiny_in, group=group)
+
     alpha = max(_comm_time(tiny_seq, group, reps) / (16 * max(world - 1, 1)), 1e-6)
     # How much longer latency is with GEMMs (~1 ms ones) running on the rank, per kind: 16
     # tiny all-gathers, 16 tiny reduce-scatters (1.0-2.3 on the emulated cluster, larger
@@ -293,12 +308,17 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
     def tiny_rs_seq():
         for _ in range(16):
             _reduce_scatter(tiny_rs, tiny_out, group=group)
+
     load_a, load_b = torch.randn(256, 512), torch.randn(512, 512)
-    loaded_latency = {kind: round(_loaded_latency(seq, load_a, load_b, group, 2 * reps), 2)
-                      for kind, seq in (("all_gather", tiny_seq), ("reduce_scatter", tiny_rs_seq))}
+    loaded_latency = {
+        kind: round(_loaded_latency(seq, load_a, load_b, group, 2 * reps), 2)
+        for kind, seq in (("all_gather", tiny_seq), ("reduce_scatter", tiny_rs_seq))
+    }
+
     # reduce-scatter of B input bytes vs the ring formula for it
     def ring(b):
         return (world - 1) * alpha + (world - 1) / world * b / beta
+
     rs = [t / ring(b) for t, b in ratio]
     rs_factor = round(sum(rs) / len(rs), 2)
     # A large reduce-scatter (RS_BIG input bytes) runs slower per byte than the ones the
@@ -334,16 +354,23 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
 
     def rs_op():
         return _reduce_scatter(big, rs_in, group=group, async_op=True)
+
     loss = _pair_loss(ag, a, b, max(1, round(ys[-1] / t_mm)), group, reps)
-    comm_loss = {"all_gather": _pair_loss(ag, a, b, max(1, round(0.5 * ys[-1] / t_mm)), group, reps),
-                 "reduce_scatter": _pair_loss(rs_op, a, b, max(1, round(0.5 * ratio[-1][0] / t_mm)), group, reps)}
+    comm_loss = {
+        "all_gather": _pair_loss(ag, a, b, max(1, round(0.5 * ys[-1] / t_mm)), group, reps),
+        "reduce_scatter": _pair_loss(rs_op, a, b, max(1, round(0.5 * ratio[-1][0] / t_mm)), group, reps),
+    }
     # Several all-to-alls of one chunk issued at once (Ulysses' q, k, v) run side by side on
     # gloo's threads: a big one's time beyond the link's rate (one TCP connection does not
     # fill a shaped link) partly hides (docs/cost_model.md#measurements-behind-calibration).
     a2a_in, a2a_out = torch.empty(world * COMM_BYTES[-1] // 4), torch.empty(world * COMM_BYTES[-1] // 4)
     a2a_rate = min(t / b for b, t in curves["all_to_all"])
-    excess = _concurrent_excess(lambda: dist.all_to_all_single(a2a_out, a2a_in, group=group, async_op=True),
-                                a2a_rate * world * COMM_BYTES[-1], group, reps)
+    excess = _concurrent_excess(
+        lambda: dist.all_to_all_single(a2a_out, a2a_in, group=group, async_op=True),
+        a2a_rate * world * COMM_BYTES[-1],
+        group,
+        reps,
+    )
     # Local copy rate (read + write of a 64 MiB tensor counted once), for the concatenations.
     src = torch.empty(1 << 24, dtype=torch.float32)
     dst = torch.empty_like(src)
@@ -354,11 +381,13 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
     fresh_bw = _fresh_bw(reps)
     prof = {
         "name": name,
-        "source": (f"measured by overlapc calibrate on {time.strftime('%Y-%m-%d %H:%M')} UTC, world {world}, "
-                   f"backend {dist.get_backend(group)}, {torch.get_num_threads()} torch thread(s): "
-                   f"mm of {GEMM_SIZES}; all_gather_into_tensor of {COMM_BYTES} B per rank, "
-                   f"all_to_all_single of {world} times those, reduce_scatter_tensor of {world} times "
-                   f"{COMM_BYTES[-2:]} B"),
+        "source": (
+            f"measured by overlapc calibrate on {time.strftime('%Y-%m-%d %H:%M')} UTC, world {world}, "
+            f"backend {dist.get_backend(group)}, {torch.get_num_threads()} torch thread(s): "
+            f"mm of {GEMM_SIZES}; all_gather_into_tensor of {COMM_BYTES} B per rank, "
+            f"all_to_all_single of {world} times those, reduce_scatter_tensor of {world} times "
+            f"{COMM_BYTES[-2:]} B"
+        ),
         "gemm": gemm,
         "link": {"alpha_us": alpha * 1e6, "beta_gbps": beta / 1e9},
         "chunk_overhead_us": overhead * 1e6,
@@ -419,6 +448,7 @@ def main(world_size: int, out: str | None, threads: int = 1) -> str:
     from overlapc.passes.cost import CACHE_DIR
 
     from .world import World
+
     with World(world_size, timeout=300, threads=threads) as w:
         prof = w.run(calibrate_job, threads)[0]
     path = Path(out) if out else CACHE_DIR / "cpu-local.json"

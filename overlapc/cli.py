@@ -16,6 +16,7 @@ group layout; ``explain FILE.pt2`` reports what overlapc does to a saved program
 Errors in what was typed (a MODULE:CALLABLE that does not import, a bad world size or
 option) exit with status 2 and one line on stderr.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,16 +45,36 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     def common(sp, world_required=True):
-        sp.add_argument("target", metavar="MODULE:CALLABLE",
-                        help="callable(mesh, **args) -> (model, example_inputs)"
-                             + ("" if world_required else "; or a saved torch.export program, FILE.pt2"))
-        sp.add_argument("--world-size", "-w", type=_world_size, required=world_required,
-                        help="ranks in the mesh (>= 1)" + ("" if world_required else
-                                                           "; for FILE.pt2, default: read from its collectives"))
-        sp.add_argument("--option", "-O", action="append", default=[], metavar="K=V",
-                        help="an overlapc option, e.g. chunks=4 (repeatable)")
-        sp.add_argument("--arg", "-a", action="append", default=[], metavar="K=V",
-                        help="a keyword argument for CALLABLE, e.g. n_layers=2 (repeatable)")
+        sp.add_argument(
+            "target",
+            metavar="MODULE:CALLABLE",
+            help="callable(mesh, **args) -> (model, example_inputs)"
+            + ("" if world_required else "; or a saved torch.export program, FILE.pt2"),
+        )
+        sp.add_argument(
+            "--world-size",
+            "-w",
+            type=_world_size,
+            required=world_required,
+            help="ranks in the mesh (>= 1)"
+            + ("" if world_required else "; for FILE.pt2, default: read from its collectives"),
+        )
+        sp.add_argument(
+            "--option",
+            "-O",
+            action="append",
+            default=[],
+            metavar="K=V",
+            help="an overlapc option, e.g. chunks=4 (repeatable)",
+        )
+        sp.add_argument(
+            "--arg",
+            "-a",
+            action="append",
+            default=[],
+            metavar="K=V",
+            help="a keyword argument for CALLABLE, e.g. n_layers=2 (repeatable)",
+        )
 
     ex = sub.add_parser("explain", help="report every matmul-collective site and what would be done")
     common(ex, world_required=False)
@@ -61,20 +82,36 @@ def _parser() -> argparse.ArgumentParser:
     rw = sub.add_parser("rewrite", help="write the rewritten graphs' code and the report")
     common(rw)
     rw.add_argument("-o", "--out", metavar="DIR", help="output directory for the graphs' code and the report")
-    rw.add_argument("--export", metavar="OUT.pt2",
-                    help="export the model (torch.export), rewrite it and save the program here")
+    rw.add_argument(
+        "--export", metavar="OUT.pt2", help="export the model (torch.export), rewrite it and save the program here"
+    )
     pl = sub.add_parser("plan", help="per-site predictions of the cost model for a cluster that need not be here")
     common(pl)
-    pl.add_argument("--hardware", "-H", default=None, metavar="PROFILE",
-                    help="profile name (cpu-local, cpu-default, h100-nvlink, h200-nvlink, ib-400g) or JSON file")
+    pl.add_argument(
+        "--hardware",
+        "-H",
+        default=None,
+        metavar="PROFILE",
+        help="profile name (cpu-local, cpu-default, h100-nvlink, h200-nvlink, ib-400g) or JSON file",
+    )
     pl.add_argument("--json", action="store_true", help="print the predictions as JSON")
     pl.add_argument("--trace", metavar="FILE", help="write a Chrome trace (Perfetto) of one step; a PNG beside it")
     cal = sub.add_parser("calibrate", help="measure this machine's profile (GEMM rates, link alpha/beta)")
-    cal.add_argument("--world-size", "-w", type=_world_size, default=None,
-                     help="ranks of a local gloo world to spawn; leave it out under torchrun (RANK, WORLD_SIZE set): "
-                          "the launched world is measured, its own network")
-    cal.add_argument("--out", "-o", default=None, metavar="FILE",
-                     help="where to write the profile (default: the cpu-local profile in ~/.cache/overlapc)")
+    cal.add_argument(
+        "--world-size",
+        "-w",
+        type=_world_size,
+        default=None,
+        help="ranks of a local gloo world to spawn; leave it out under torchrun (RANK, WORLD_SIZE set): "
+        "the launched world is measured, its own network",
+    )
+    cal.add_argument(
+        "--out",
+        "-o",
+        default=None,
+        metavar="FILE",
+        help="where to write the profile (default: the cpu-local profile in ~/.cache/overlapc)",
+    )
     return p
 
 
@@ -166,12 +203,15 @@ def _saved_program(args):
         ep = torch.export.load(args.target)
     except Exception as e:  # noqa: BLE001 - whatever torch.export.load raises, one line
         raise UsageError(f"cannot load {args.target!r} as a torch.export program: {type(e).__name__}: {e}") from None
-    sizes = {n.args[1] for n in ep.graph.nodes if n.target is ops.ALL_GATHER} \
-        | {n.args[2] for n in ep.graph.nodes if n.target is ops.REDUCE_SCATTER}
+    sizes = {n.args[1] for n in ep.graph.nodes if n.target is ops.ALL_GATHER} | {
+        n.args[2] for n in ep.graph.nodes if n.target is ops.REDUCE_SCATTER
+    }
     has_comm = any(ops.is_collective(n) for n in ep.graph.nodes)
     if args.world_size is None and has_comm and not sizes:
-        raise UsageError(f"{args.target}: its collectives do not record their group's size (all-reduces, "
-                         "all-to-alls): give --world-size N")
+        raise UsageError(
+            f"{args.target}: its collectives do not record their group's size (all-reduces, "
+            "all-to-alls): give --world-size N"
+        )
     world = args.world_size or (max(sizes) if sizes else 1)
     fake_world(world)
     return ep, world
@@ -193,8 +233,10 @@ def cmd_explain(args) -> int:
             print(new.overlapc_report.to_json())
             return 0
         held = Counter(ops.collective_name(n) for n in ep.graph.nodes if ops.is_collective(n))
-        print(f"{args.target}: a program for a world of {world}; collectives: "
-              + (", ".join(f"{k} x{v}" for k, v in sorted(held.items())) or "none"))
+        print(
+            f"{args.target}: a program for a world of {world}; collectives: "
+            + (", ".join(f"{k} x{v}" for k, v in sorted(held.items())) or "none")
+        )
         print(str(new.overlapc_report))
         return 0
     if args.world_size is None:
@@ -214,9 +256,11 @@ def cmd_export(args, model, inputs, opts) -> int:
         ep = torch.export.export(model, inputs)
     except Exception as e:  # noqa: BLE001 - torch.export's refusal, in one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UsageError(f"torch.export could not export {args.target}: {type(e).__name__}: {first} "
-                         "(DTensor-parallelized modules do not export; write the layers with functional "
-                         "collectives, e.g. overlapc.models.megatron)") from None
+        raise UsageError(
+            f"torch.export could not export {args.target}: {type(e).__name__}: {first} "
+            "(DTensor-parallelized modules do not export; write the layers with functional "
+            "collectives, e.g. overlapc.models.megatron)"
+        ) from None
     new = rewrite(ep, options=opts)
     torch.export.save(new, args.export)
     print(str(new.overlapc_report))
@@ -281,8 +325,10 @@ def cmd_calibrate(args) -> int:
 
     if args.world_size is None:
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-            raise UsageError("calibrate: give --world-size N to spawn a local world, or run it under torchrun "
-                             "(torchrun --nproc-per-node N [--nnodes ...] -m overlapc calibrate --out FILE)")
+            raise UsageError(
+                "calibrate: give --world-size N to spawn a local world, or run it under torchrun "
+                "(torchrun --nproc-per-node N [--nnodes ...] -m overlapc calibrate --out FILE)"
+            )
         path = main_launched(args.out)
         if path:
             print(f"wrote {path}")
@@ -295,8 +341,9 @@ def cmd_calibrate(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
-        return {"explain": cmd_explain, "rewrite": cmd_rewrite, "plan": cmd_plan,
-                "calibrate": cmd_calibrate}[args.cmd](args)
+        return {"explain": cmd_explain, "rewrite": cmd_rewrite, "plan": cmd_plan, "calibrate": cmd_calibrate}[args.cmd](
+            args
+        )
     except (UsageError, OverlapError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"overlapc: error: {msg}", file=sys.stderr)

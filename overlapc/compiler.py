@@ -13,6 +13,7 @@ the inner compiler:
 - ``inner="inductor"``: as inductor's post-grad custom pass, on the graphs inductor is
   about to lower, so that its own decompositions and pattern passes have already run.
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,8 +46,14 @@ def reset_report():
 class Backend:
     """A torch.compile backend with fixed options; ``.report`` collects what it did."""
 
-    def __init__(self, options: Options | None = None, report: Report | None = None,
-                 keep_graphs: bool = False, extra_passes: tuple = (), verify_plans: bool = True):
+    def __init__(
+        self,
+        options: Options | None = None,
+        report: Report | None = None,
+        keep_graphs: bool = False,
+        extra_passes: tuple = (),
+        verify_plans: bool = True,
+    ):
         self.options = options or Options()
         self.verify_plans = verify_plans
         """Exchange each graph's plan across ranks when it is compiled (overlapc.agree);
@@ -124,6 +131,7 @@ def _compile_static(gm, example_inputs, opts: Options, be: Backend):
 
     # Before AOTAutograd, so that the backward it derives is grouped too.
     from overlapc.passes.expert_loop import group_expert_loops
+
     loops = group_expert_loops(gm, opts, "forward" if torch.is_grad_enabled() else "inference")
     with _GLOBAL_LOCK:
         be.report.extend(loops)
@@ -146,6 +154,7 @@ def _run_passes(gm, kind: str, opts: Options, be: Backend):
         gm.recompile()
     if be.verify_plans:
         from .agree import check_plans_agree
+
         check_plans_agree(kind, sites)
     with _GLOBAL_LOCK:
         be.report.extend(sites)
@@ -157,11 +166,17 @@ def _run_passes(gm, kind: str, opts: Options, be: Backend):
             for glob in opts.unmatched_overrides(s.name for s in be.report.sites):
                 if glob not in be.warned_overrides:
                     be.warned_overrides.add(glob)
-                    log.warning("overlapc: override %r matched no site; site names look like %r (see "
-                                "overlapc.explain)", glob, next((s.name for s in sites if s.pattern != "collective"),
-                                                                 "forward:layers.0.attention:all_gather_matmul"))
+                    log.warning(
+                        "overlapc: override %r matched no site; site names look like %r (see overlapc.explain)",
+                        glob,
+                        next(
+                            (s.name for s in sites if s.pattern != "collective"),
+                            "forward:layers.0.attention:all_gather_matmul",
+                        ),
+                    )
     if sites:
         from .report import format_table
+
         log.info("overlapc: %s graph\n%s", kind, format_table(sites))
     return sites
 
@@ -175,8 +190,10 @@ def _name_failures(compiled, kind: str, sites: list[str]) -> None:
     if sites and callable(inner):
         compiled.current_callable = named_failures(inner, kind, sites)
     elif sites:
-        log.info("overlapc: this inductor's compiled graph has no current_callable; "
-                 "collective failures in it will not name their sites")
+        log.info(
+            "overlapc: this inductor's compiled graph has no current_callable; "
+            "collective failures in it will not name their sites"
+        )
 
 
 def _compile_eager(gm, example_inputs, opts, be):
@@ -189,19 +206,23 @@ def _compile_eager(gm, example_inputs, opts, be):
 
             from .runtime.adapt import Adaptive, wants_adapt
             from .runtime.waits import name_waits
+
             base = copy_graph_module(g) if _may_adapt(opts) else None
             sites = _run_passes(g, kind, opts, be)
             # A failing chunked collective names its site and chunk.
             planned = make_boxed_func(name_waits(g).forward)
             ranks = base is not None and wants_adapt(opts, bool(g.meta.get("overlapc_changed")), sites)
             if ranks:
-                return Adaptive(planned, make_boxed_func(base.forward), kind=kind, rows=sites, ranks=ranks,
-                                steps=opts.adapt)
+                return Adaptive(
+                    planned, make_boxed_func(base.forward), kind=kind, rows=sites, ranks=ranks, steps=opts.adapt
+                )
             return planned
+
         return compile_fn
 
-    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
-                        inference_compiler=compiler("inference"))(gm, example_inputs)
+    return aot_autograd(
+        fw_compiler=compiler("forward"), bw_compiler=compiler("backward"), inference_compiler=compiler("inference")
+    )(gm, example_inputs)
 
 
 def _may_adapt(opts: Options) -> bool:
@@ -230,6 +251,7 @@ def _overlap_pass_class():
             self.sites, self.changed = sites, bool(gm.meta.get("overlapc_changed"))
             self.rewritten = [s.name for s in sites if s.status == "rewritten"]
             from .runtime.dropless import pipelines_of
+
             for p in pipelines_of(graph):  # their bodies are decomposed graphs: compile them too
                 p.compile_body = True
             if gm.meta.get("overlapc_changed"):
@@ -255,11 +277,13 @@ def _compile_inductor(gm, example_inputs, opts, be):
         # restore them for the next one.
         pass_.rewritten, pass_.sites, pass_.changed = [], [], False
         base = copy_graph_module(g) if _may_adapt(opts) else None  # before the passes change g
-        with inductor_config.patch({k: getattr(inductor_config, k) for k in _ORDER_SETTINGS
-                                    if hasattr(inductor_config, k)}):
+        with inductor_config.patch(
+            {k: getattr(inductor_config, k) for k in _ORDER_SETTINGS if hasattr(inductor_config, k)}
+        ):
             out = compile_fx_inner(g, inputs, **kw)
         _name_failures(out, pass_.kind, pass_.rewritten)
         from .runtime.adapt import Adaptive, wants_adapt
+
         ranks = base is not None and wants_adapt(opts, pass_.changed, pass_.sites)
         if ranks and callable(getattr(out, "current_callable", None)):
             # The graph as captured, compiled without overlapc's pass: the program to beat.
@@ -279,8 +303,14 @@ def _compile_inductor(gm, example_inputs, opts, be):
             if not same:  # outputs laid out otherwise: AOTAutograd would restride them wrongly
                 log.info("overlapc: %s graph: the baseline's outputs have other strides; not adapted", pass_.kind)
             elif callable(getattr(baseline, "current_callable", None)):
-                out.current_callable = Adaptive(out.current_callable, baseline.current_callable, kind=pass_.kind,
-                                                rows=pass_.sites, ranks=ranks, steps=opts.adapt)
+                out.current_callable = Adaptive(
+                    out.current_callable,
+                    baseline.current_callable,
+                    kind=pass_.kind,
+                    rows=pass_.sites,
+                    ranks=ranks,
+                    steps=opts.adapt,
+                )
         return out
 
     patches = {"post_grad_custom_post_pass": pass_, "fx_graph_cache": False}
@@ -356,8 +386,7 @@ def reorder_scheduler_nodes(nodes: list) -> list:
     for n in nodes:
         for o in _origins(n):
             preds[n].extend(by_origin[a] for a in issue_after(o) if a in by_origin and by_origin[a] is not n)
-    early = {n for n in nodes if getattr(n, "node", None) is not None and is_collective(n.node)
-             and not is_wait(n.node)}
+    early = {n for n in nodes if getattr(n, "node", None) is not None and is_collective(n.node) and not is_wait(n.node)}
     late = {n for n in nodes if getattr(n, "node", None) is not None and is_wait(n.node)}
     try:
         return list_schedule(nodes, preds, early, late, collectives=early)
@@ -370,4 +399,3 @@ def _brief(opts: Options) -> str:
     d = Options()
     diff = {k: getattr(opts, k) for k in Options.names() if getattr(opts, k) != getattr(d, k)}
     return ", ".join(f"{k}={v!r}" for k, v in diff.items()) or "defaults"
-

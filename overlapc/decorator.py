@@ -10,6 +10,7 @@
 
 The decorated object carries ``overlapc_report``: the sites of the graphs it compiled.
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,7 +36,8 @@ def _apply(target, opts: Options):
         if not issubclass(target, torch.nn.Module):
             raise OverlapError(
                 f"@overlapc.overlap on class {target.__name__}: only nn.Module subclasses, "
-                "nn.Module instances and functions can be decorated")
+                "nn.Module instances and functions can be decorated"
+            )
         return _wrap_class(target, opts)
     if isinstance(target, torch.nn.Module):
         backend = Backend(opts)
@@ -54,7 +56,8 @@ def _apply(target, opts: Options):
         return wrapper
     raise OverlapError(
         f"@overlapc.overlap on a {type(target).__name__}: only nn.Module subclasses, "
-        "nn.Module instances and functions can be decorated")
+        "nn.Module instances and functions can be decorated"
+    )
 
 
 def _wrap_class(cls, opts: Options):

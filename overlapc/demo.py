@@ -4,6 +4,7 @@ gradients against eager on every rank.
 
     python -m overlapc.demo [--world-size 2] [--inner inductor|eager] [--strategy auto|decompose|fuse|none]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,9 +52,16 @@ def demo_job(inner: str, strategy: str, chunks):
     report = overlapc.last_report()
     rewritten = sum(1 for s in report.sites if s.status == "rewritten")
     sites = sum(1 for s in report.sites if s.pattern != "collective")
-    return {"rank": rank, "table": table, "max_err_forward": worst["forward"],
-            "max_err_grad": max(v for k, v in worst.items() if k != "forward"),
-            "n_grads": len(worst) - 1, "sites": sites, "rewritten": rewritten, "compile_s": compile_s}
+    return {
+        "rank": rank,
+        "table": table,
+        "max_err_forward": worst["forward"],
+        "max_err_grad": max(v for k, v in worst.items() if k != "forward"),
+        "n_grads": len(worst) - 1,
+        "sites": sites,
+        "rewritten": rewritten,
+        "compile_s": compile_s,
+    }
 
 
 def main(argv=None) -> int:
@@ -68,8 +76,10 @@ def main(argv=None) -> int:
 
     from overlapc.world import World, WorldError
 
-    print(f"overlapc demo: {args.world_size} gloo ranks on CPU, Llama-style TP+SP model "
-          f"({CONFIG['n_layers']} layers, dim {CONFIG['dim']}), backend='overlapc', inner={args.inner}")
+    print(
+        f"overlapc demo: {args.world_size} gloo ranks on CPU, Llama-style TP+SP model "
+        f"({CONFIG['n_layers']} layers, dim {CONFIG['dim']}), backend='overlapc', inner={args.inner}"
+    )
     with World(args.world_size, timeout=900) as world:
         try:
             results = world.run(demo_job, args.inner, args.strategy, chunks)
@@ -80,10 +90,12 @@ def main(argv=None) -> int:
     print(results[0]["table"])
     print()
     for r in results:
-        print(f"rank {r['rank']}: {r['sites']} sites in the compiled graphs, {r['rewritten']} rewritten; "
-              f"forward max |diff| vs eager {r['max_err_forward']:.2e}, "
-              f"{r['n_grads']} grads max |diff| {r['max_err_grad']:.2e} "
-              f"(first step incl. compile {r['compile_s']:.1f} s)")
+        print(
+            f"rank {r['rank']}: {r['sites']} sites in the compiled graphs, {r['rewritten']} rewritten; "
+            f"forward max |diff| vs eager {r['max_err_forward']:.2e}, "
+            f"{r['n_grads']} grads max |diff| {r['max_err_grad']:.2e} "
+            f"(first step incl. compile {r['compile_s']:.1f} s)"
+        )
     print("\nOK: outputs and gradients equal eager on every rank (fp32, rtol 1e-4, atol 1e-5).")
     return 0
 

@@ -8,6 +8,7 @@ them exactly as in the backend. Fake tensors carry no data, so no collective mov
 byte: explain is safe on one rank of a real job, in a notebook, or on a fake process
 group.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,16 +37,18 @@ def explain(fn: Callable | torch.nn.Module, *args, options: dict | Options | Non
     return capture(fn, *args, options=options, **kwargs)[0]
 
 
-def capture(fn: Callable | torch.nn.Module, *args, options: dict | Options | None = None, **kwargs
-            ) -> tuple[Report, list[tuple[str, torch.fx.GraphModule]]]:
+def capture(
+    fn: Callable | torch.nn.Module, *args, options: dict | Options | None = None, **kwargs
+) -> tuple[Report, list[tuple[str, torch.fx.GraphModule]]]:
     """explain(), plus the (kind, rewritten GraphModule) of every graph captured."""
     opts = Options.from_user(options)
     if not callable(fn):
         raise OverlapError(f"explain() takes a module or a function; got {type(fn).__name__}")
     report = Report()
     # no collective runs: neither plan agreement nor measuring the live group
-    backend = Backend(dataclasses.replace(opts, inner="eager", measure=False), report, keep_graphs=True,
-                      verify_plans=False)
+    backend = Backend(
+        dataclasses.replace(opts, inner="eager", measure=False), report, keep_graphs=True, verify_plans=False
+    )
     module = fn if isinstance(fn, torch.nn.Module) else None
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
 
@@ -78,10 +81,10 @@ def _no_recompile_limit():
     the same forward eagerly, the backend would never see a graph and the report would list
     no sites, silently. Lift the limit for this capture, and make hitting it anyway an error."""
     from torch._dynamo import config as dynamo_config
+
     names = dynamo_config._config if hasattr(dynamo_config, "_config") else vars(dynamo_config)
     patch = {}
-    for limit in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
-                  "accumulated_cache_size_limit"):
+    for limit in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
         if limit in names:
             patch[limit] = max(getattr(dynamo_config, limit), 1 << 16)
     for fail in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"):
@@ -100,6 +103,7 @@ def _reparametrize(module, state):
     if module is None or not state:
         return contextlib.nullcontext()
     from torch.nn.utils.stateless import _reparametrize_module
+
     return _reparametrize_module(module, state, tie_weights=True)
 
 
@@ -109,6 +113,7 @@ _NO_EAGER_LOWERING = contextlib.nullcontext()
 def _eager_backward_lowering():
     """Compile backward graphs with the forward (torch >= 2.12 has the switch)."""
     from torch._functorch import config as functorch_config
+
     if hasattr(functorch_config, "force_non_lazy_backward_lowering"):
         return functorch_config.patch(force_non_lazy_backward_lowering=True)
     return _NO_EAGER_LOWERING

@@ -13,6 +13,7 @@ the result's ``overlapc_report`` attribute (not saved with the program).
 The rewritten program names its process groups as the exported one did (c10d's group names,
 "0" for the default group): it runs on every rank of a world with the same group layout.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,12 +38,16 @@ def rewrite(ep, *, options: dict | Options | None = None):
     from overlapc.passes.build import copy_graph_module
 
     if not isinstance(ep, ExportedProgram):
-        raise OverlapError("overlapc.rewrite takes a torch.export.ExportedProgram (from torch.export.export or "
-                           f"torch.export.load); got {type(ep).__name__}")
+        raise OverlapError(
+            "overlapc.rewrite takes a torch.export.ExportedProgram (from torch.export.export or "
+            f"torch.export.load); got {type(ep).__name__}"
+        )
     opts = Options.from_user(options)
     if "fuse" in (opts.strategy, *(o.get("strategy") for o in opts.overrides.values())):
-        raise OverlapError("strategy 'fuse' is not available to overlapc.rewrite: the fused kernels are Triton "
-                           "ops over symmetric memory that a saved program cannot carry; use 'auto' or 'decompose'")
+        raise OverlapError(
+            "strategy 'fuse' is not available to overlapc.rewrite: the fused kernels are Triton "
+            "ops over symmetric memory that a saved program cannot carry; use 'auto' or 'decompose'"
+        )
     check_groups(ep.graph_module)
     # Core ATen: the ops the matchers read. A new program; ``ep`` stays as it was.
     ep = ep.run_decompositions(_decompositions())
@@ -50,8 +55,10 @@ def rewrite(ep, *, options: dict | Options | None = None):
     rows = optimize(gm, "inference", opts)
     fused = [r.name for r in rows if r.strategy == "fuse"]
     if fused:  # a profile that prices fused kernels, under strategy "auto"
-        raise OverlapError(f"the planner chose fused kernels for {', '.join(fused)}, which a saved program cannot "
-                           "carry; pass options={'strategy': 'decompose'} or a profile without fused kernels")
+        raise OverlapError(
+            f"the planner chose fused kernels for {', '.join(fused)}, which a saved program cannot "
+            "carry; pass options={'strategy': 'decompose'} or a profile without fused kernels"
+        )
     out = ep._update(gm, _renamed_outputs(ep.graph_signature, gm))
     report = Report()
     report.extend(rows)
@@ -100,20 +107,32 @@ def check_groups(gm: GraphModule) -> None:
         if not ops.is_collective(node):
             continue
         name = ops.group_name(node)
-        size = node.args[1] if node.target in (ops.ALL_GATHER,) else node.args[2] if node.target is ops.REDUCE_SCATTER \
+        size = (
+            node.args[1]
+            if node.target in (ops.ALL_GATHER,)
+            else node.args[2]
+            if node.target is ops.REDUCE_SCATTER
             else None
+        )
         if not dist.is_initialized():
-            raise OverlapError(f"the program's {ops.collective_name(node)} ({node.name}) runs on process group "
-                               f"{name!r}: initialize the same process-group layout (init_process_group, and the "
-                               "same new_group calls) before overlapc.rewrite")
+            raise OverlapError(
+                f"the program's {ops.collective_name(node)} ({node.name}) runs on process group "
+                f"{name!r}: initialize the same process-group layout (init_process_group, and the "
+                "same new_group calls) before overlapc.rewrite"
+            )
         try:
             from torch.distributed.distributed_c10d import _resolve_process_group
+
             have = _resolve_process_group(name).size()
         except Exception:  # noqa: BLE001 - c10d raises several kinds for an unknown name
-            raise OverlapError(f"the program's {ops.collective_name(node)} ({node.name}) runs on process group "
-                               f"{name!r}, which this process does not have: create the same groups, in the same "
-                               "order, before overlapc.rewrite") from None
+            raise OverlapError(
+                f"the program's {ops.collective_name(node)} ({node.name}) runs on process group "
+                f"{name!r}, which this process does not have: create the same groups, in the same "
+                "order, before overlapc.rewrite"
+            ) from None
         if isinstance(size, int) and size != have:
-            raise OverlapError(f"the program's {ops.collective_name(node)} ({node.name}) is for a group of {size} "
-                               f"ranks; process group {name!r} here has {have}: export (or load) it in a world of "
-                               f"{size}")
+            raise OverlapError(
+                f"the program's {ops.collective_name(node)} ({node.name}) is for a group of {size} "
+                f"ranks; process group {name!r} here has {have}: export (or load) it in a world of "
+                f"{size}"
+            )

@@ -5,6 +5,7 @@ Every door (``torch.compile(..., options=...)``, ``overlapc.backend(**options)``
 ``--option k=v``) goes through :func:`Options.from_user`, so a wrong name or value is
 the same :class:`OverlapError` everywhere, naming the option and what it allows.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -66,38 +67,45 @@ class Options:
         _check_chunks("chunks", self.chunks)
         if isinstance(self.min_bytes, bool) or not isinstance(self.min_bytes, int) or self.min_bytes < 0:
             raise OverlapError(f"option 'min_bytes' must be an int >= 0; got {self.min_bytes!r}")
-        if self.microbatches != "auto" and (isinstance(self.microbatches, bool) or not isinstance(
-                self.microbatches, int) or self.microbatches < 1):
-            raise OverlapError(f"option 'microbatches' must be an int >= 1 (1: off) or \"auto\"; "
-                               f"got {self.microbatches!r}")
+        if self.microbatches != "auto" and (
+            isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1
+        ):
+            raise OverlapError(
+                f"option 'microbatches' must be an int >= 1 (1: off) or \"auto\"; got {self.microbatches!r}"
+            )
         for name in ("schedule", "addmm_partials", "measure"):
             if not isinstance(getattr(self, name), bool):
                 raise OverlapError(f"option {name!r} must be True or False; got {getattr(self, name)!r}")
         if isinstance(self.adapt, bool) or not isinstance(self.adapt, int) or self.adapt < 0:
-            raise OverlapError(f"option 'adapt' must be an int >= 0 (timed calls per program; 0: off); "
-                               f"got {self.adapt!r}")
+            raise OverlapError(
+                f"option 'adapt' must be an int >= 0 (timed calls per program; 0: off); got {self.adapt!r}"
+            )
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
             raise OverlapError(f"option 'timeout' must be a number of seconds > 0; got {self.timeout!r}")
         if self.hardware is not None and not isinstance(self.hardware, str):
             raise OverlapError(f"option 'hardware' must be a profile name or a file path; got {self.hardware!r}")
         if self.hardware is not None:
             from overlapc.passes.cost import load_profile
+
             load_profile(self.hardware)  # a wrong name or a malformed file fails here, naming it
         if self.mode is not None and not isinstance(self.mode, str):
             raise OverlapError(f"option 'mode' must be a torch.compile mode string; got {self.mode!r}")
         if not isinstance(self.overrides, Mapping):
             raise OverlapError(
                 "option 'overrides' must be a dict {site-name glob: {option: value}}; "
-                f"got {type(self.overrides).__name__}")
+                f"got {type(self.overrides).__name__}"
+            )
         for glob, per_site in self.overrides.items():
             if not isinstance(glob, str) or not isinstance(per_site, Mapping):
                 raise OverlapError(
-                    f"option 'overrides' entry {glob!r}: expected a site-name glob mapped to a dict of options")
+                    f"option 'overrides' entry {glob!r}: expected a site-name glob mapped to a dict of options"
+                )
             for k, v in per_site.items():
                 if k not in SITE_OVERRIDABLE:
                     raise OverlapError(
                         f"option 'overrides[{glob!r}]' sets {k!r}; per-site options allowed: "
-                        + ", ".join(SITE_OVERRIDABLE))
+                        + ", ".join(SITE_OVERRIDABLE)
+                    )
                 if k == "strategy":
                     _check_choice(f"overrides[{glob!r}].strategy", v, STRATEGIES)
                 else:
@@ -151,7 +159,8 @@ class Options:
 def _check_choice(name: str, value, allowed):
     if value not in allowed:
         raise OverlapError(
-            f"option {name!r} must be one of " + ", ".join(repr(a) for a in allowed) + f"; got {value!r}")
+            f"option {name!r} must be one of " + ", ".join(repr(a) for a in allowed) + f"; got {value!r}"
+        )
 
 
 def _check_chunks(name: str, value):

@@ -6,6 +6,7 @@ The timeline lays the modelled sites end to end in graph order (forward, then ba
 baseline (collective, then its GEMMs, or the reverse) above the planned pipeline. Compute
 that is part of no site (attention, norms, the optimizer) is not modelled and not drawn.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,29 +34,56 @@ def plan_table(report: Report, opts: Options) -> str:
         planned = p["best_ms"] if s.status == "rewritten" else p["base_ms"]
         tb, tp = tb + p["base_ms"], tp + planned
         plan = f"{s.strategy}/{s.chunks}" if s.status == "rewritten" else "skip"
-        lines.append([s.graph, s.module or "", s.pattern, s.status, plan, _ms(p["comm_ms"]), _ms(p["gemm_ms"]),
-                      _ms(p["base_ms"]), _ms(planned), f"{(p['base_ms'] - planned) / p['base_ms']:.1%}"])
+        lines.append(
+            [
+                s.graph,
+                s.module or "",
+                s.pattern,
+                s.status,
+                plan,
+                _ms(p["comm_ms"]),
+                _ms(p["gemm_ms"]),
+                _ms(p["base_ms"]),
+                _ms(planned),
+                f"{(p['base_ms'] - planned) / p['base_ms']:.1%}",
+            ]
+        )
     widths = [max(len(str(r[i])) for r in [head] + lines) for i in range(len(head))]
     fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths))  # noqa: E731
     out = [f"profile: {prof}", fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in lines]
     if rows:
-        out.append(f"modelled sites: {tb:.3f} ms -> {tp:.3f} ms ({tb / tp if tp else 1:.2f}x on the sites alone; "
-                   "the step's other compute is not modelled)")
+        out.append(
+            f"modelled sites: {tb:.3f} ms -> {tp:.3f} ms ({tb / tp if tp else 1:.2f}x on the sites alone; "
+            "the step's other compute is not modelled)"
+        )
     skipped = [s for s in report.sites if s.status == "skipped" and s.pattern != "collective"]
     for s in skipped:
         out.append(f"skipped {s.name}: {s.reason}")
     for s in rows:
         if s.details.get("fuse_not_taken"):
-            out.append(f"not fused {s.name}: predicted {_ms(s.details['predicted']['fused_ms'])} ms fused, but "
-                       f"{s.details['fuse_not_taken']}")
+            out.append(
+                f"not fused {s.name}: predicted {_ms(s.details['predicted']['fused_ms'])} ms fused, but "
+                f"{s.details['fuse_not_taken']}"
+            )
     return "\n".join(out)
 
 
 def plan_json(report: Report, opts: Options) -> str:
-    return json.dumps([{"name": s.name, "status": s.status, "strategy": s.strategy, "chunks": s.chunks,
-                        "reason": s.reason, **s.details["predicted"],
-                        **({"fuse_not_taken": s.details["fuse_not_taken"]} if s.details.get("fuse_not_taken") else {})}
-                       for s in _rows(report)], indent=1)
+    return json.dumps(
+        [
+            {
+                "name": s.name,
+                "status": s.status,
+                "strategy": s.strategy,
+                "chunks": s.chunks,
+                "reason": s.reason,
+                **s.details["predicted"],
+                **({"fuse_not_taken": s.details["fuse_not_taken"]} if s.details.get("fuse_not_taken") else {}),
+            }
+            for s in _rows(report)
+        ],
+        indent=1,
+    )
 
 
 def timeline(report: Report, opts: Options):
@@ -80,18 +108,36 @@ def write_trace(report: Report, opts: Options, path: str) -> list[str]:
     base_ev, plan_ev = timeline(report, opts)
     events = []
     for pid, evs in ((0, base_ev), (1, plan_ev)):
-        events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
-                       "args": {"name": "baseline" if pid == 0 else "overlapc plan"}})
+        events.append(
+            {
+                "ph": "M",
+                "name": "process_name",
+                "pid": pid,
+                "tid": 0,
+                "args": {"name": "baseline" if pid == 0 else "overlapc plan"},
+            }
+        )
         for tid, lane in ((0, "compute"), (1, "comm")):
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": lane}})
         for lane, label, t, d, site in evs:
-            events.append({"ph": "X", "name": label, "cat": lane, "pid": pid, "tid": 0 if lane == "compute" else 1,
-                           "ts": t * 1e6, "dur": d * 1e6, "args": {"site": site}})
+            events.append(
+                {
+                    "ph": "X",
+                    "name": label,
+                    "cat": lane,
+                    "pid": pid,
+                    "tid": 0 if lane == "compute" else 1,
+                    "ts": t * 1e6,
+                    "dur": d * 1e6,
+                    "args": {"site": site},
+                }
+            )
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
     written = [path]
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -101,8 +147,13 @@ def write_trace(report: Report, opts: Options, path: str) -> list[str]:
     for which, evs in (("baseline", base_ev), ("plan", plan_ev)):
         for lane, _label, t, d, _ in evs:
             y = rows[(which, lane)]
-            ax.broken_barh([(t * 1e3, d * 1e3)], (y - 0.4, 0.8),
-                           color="#1f4e9c" if lane == "compute" else "#c0392b", edgecolor="white", linewidth=0.3)
+            ax.broken_barh(
+                [(t * 1e3, d * 1e3)],
+                (y - 0.4, 0.8),
+                color="#1f4e9c" if lane == "compute" else "#c0392b",
+                edgecolor="white",
+                linewidth=0.3,
+            )
     ax.set_yticks(list(rows.values()))
     ax.set_yticklabels([f"{w} {lane}" for (w, lane) in rows])
     ax.set_xlabel("ms (modelled sites only, end to end)")

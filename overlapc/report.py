@@ -4,6 +4,7 @@ A :class:`Report` holds one :class:`Site` per matmul-collective dependency found
 or not) and one per collective that belongs to no site, each with the reason a user can
 act on. ``str(report)`` is a table; ``report.to_json()`` is JSON.
 """
+
 from __future__ import annotations
 
 import json
@@ -77,10 +78,13 @@ class Report:
         self.sites.extend(sites)
 
     def by(self, *, pattern=None, graph=None, status=None) -> list[Site]:
-        return [s for s in self.sites
-                if (pattern is None or s.pattern == pattern)
-                and (graph is None or s.graph == graph)
-                and (status is None or s.status == status)]
+        return [
+            s
+            for s in self.sites
+            if (pattern is None or s.pattern == pattern)
+            and (graph is None or s.graph == graph)
+            and (status is None or s.status == status)
+        ]
 
     def counts(self) -> dict[tuple[str, str], int]:
         """{(graph, pattern): number of sites}."""
@@ -128,10 +132,22 @@ def format_table(sites: list[Site]) -> str:
         plan = ""
         if s.strategy:
             plan = s.strategy + (f"/{s.chunks}" if s.chunks else "")
-        rows.append((s.graph, s.pattern, s.status, s.module or "", s.collective,
-                     ",".join(s.matmuls), shape, plan, s.reason or ""))
+        rows.append(
+            (
+                s.graph,
+                s.pattern,
+                s.status,
+                s.module or "",
+                s.collective,
+                ",".join(s.matmuls),
+                shape,
+                plan,
+                s.reason or "",
+            )
+        )
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     widths[-1] = len(head[-1])  # the reason column is last: do not pad it
+
     def line(r):
         return "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
 

@@ -18,6 +18,7 @@ Workers are plain subprocesses started with an optional per-rank command prefix
 the emulated-cluster benchmark. Jobs travel over a Unix socket (file-system sockets work
 across network namespaces); gloo rendezvous is a FileStore.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,10 +44,18 @@ class WorldTimeout(WorldError):
 
 
 class World:
-    def __init__(self, world_size: int, *, backend: str = "gloo", timeout: float = 300.0,
-                 env: dict[str, str] | None = None, rank_env: Callable[[int], dict] | None = None,
-                 rank_prefix: Callable[[int], Sequence[str]] | None = None, threads: int = 1,
-                 pg_timeout: float = 120.0):
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        backend: str = "gloo",
+        timeout: float = 300.0,
+        env: dict[str, str] | None = None,
+        rank_env: Callable[[int], dict] | None = None,
+        rank_prefix: Callable[[int], Sequence[str]] | None = None,
+        threads: int = 1,
+        pg_timeout: float = 120.0,
+    ):
         """
         world_size: number of ranks. backend: process-group backend ("gloo").
         timeout: default seconds a job may take. env / rank_env(rank): extra environment.
@@ -81,9 +90,19 @@ class World:
         base_env = {**os.environ, **self.env, "PYTHONPATH": os.pathsep.join(path)}
         for rank in range(self.world_size):
             env = {**base_env, **(self.rank_env(rank) if self.rank_env else {})}
-            cmd = [*(self.rank_prefix(rank) if self.rank_prefix else ()), sys.executable, "-m", "overlapc.world",
-                   sock, str(rank), str(self.world_size), store, self.backend, str(self.threads),
-                   str(self.pg_timeout)]
+            cmd = [
+                *(self.rank_prefix(rank) if self.rank_prefix else ()),
+                sys.executable,
+                "-m",
+                "overlapc.world",
+                sock,
+                str(rank),
+                str(self.world_size),
+                store,
+                self.backend,
+                str(self.threads),
+                str(self.pg_timeout),
+            ]
             self._procs.append(subprocess.Popen(cmd, env=env))
         conns: dict[int, Any] = {}
         deadline = time.monotonic() + 120
@@ -162,8 +181,9 @@ class World:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._kill()
-                raise WorldTimeout(f"job {name} did not finish within {timeout:.0f} s on ranks "
-                                   f"{sorted(pending)}; the world was killed")
+                raise WorldTimeout(
+                    f"job {name} did not finish within {timeout:.0f} s on ranks {sorted(pending)}; the world was killed"
+                )
             for r in list(pending):
                 c = self._conns[r]
                 if c.poll(min(0.05, max(left, 0))):
@@ -206,8 +226,10 @@ def _fn_ref(fn) -> tuple[str, str]:
     if mod == "__main__":
         spec = getattr(sys.modules["__main__"], "__spec__", None)
         if spec is None:
-            raise ValueError(f"World.run cannot send {qual} from a script run by path; "
-                             "run it with python -m, or move the function into a module")
+            raise ValueError(
+                f"World.run cannot send {qual} from a script run by path; "
+                "run it with python -m, or move the function into a module"
+            )
         mod = spec.name
     return mod, qual
 
@@ -241,8 +263,13 @@ def _worker(sock: str, rank: int, world_size: int, store: str, backend: str, thr
     torch.set_num_threads(threads)
     conn = Client(sock, family="AF_UNIX")
     _send(conn, rank)
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=pg_timeout))
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=pg_timeout),
+    )
     try:
         while True:
             try:

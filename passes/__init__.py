@@ -3,6 +3,7 @@
 Installed as ``overlapc.passes``. Each step is a module that can be used and tested
 alone; :func:`optimize` is the pipeline.
 """
+
 from __future__ import annotations
 
 from torch.fx import GraphModule
@@ -43,8 +44,10 @@ def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None) -
     held = [s for s in sites if view and sliced and s.coll.meta.get(SLICED)]
     plan_sites([s for s in sites if s not in held], options, deps, profile)
     for s in held:
-        s.skip("inside the micro-batch slices microbatches='auto' chose (priced as slices alone; "
-               "set microbatches to a number to chunk the sites inside them too)")
+        s.skip(
+            "inside the micro-batch slices microbatches='auto' chose (priced as slices alone; "
+            "set microbatches to a number to chunk the sites inside them too)"
+        )
     for s in sites:  # slices declined: why, on the sites they would have taken in
         if view and "reason" in view and s.coll.name in view["collectives"]:
             s.details["microbatches"] = view["reason"]

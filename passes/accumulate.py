@@ -15,6 +15,7 @@ The addmm goes where the partial's mm was, so the pipeline order the rewrite lai
 passes/axis.py), of a 2-D mm that nothing else reads, with no broadcasting, and a running
 sum defined before the mm. Option ``addmm_partials=False`` leaves the adds as they are.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,8 +38,12 @@ def fold_partial_sums(graph: Graph) -> int:
             continue
         for acc, part in (add.args, add.args[::-1]):
             mm = _only_gemm(part)
-            if mm is None or not isinstance(acc, Node) or pos.get(acc, len(pos)) >= pos[mm] \
-                    or not _same_shape(acc, add):
+            if (
+                mm is None
+                or not isinstance(acc, Node)
+                or pos.get(acc, len(pos)) >= pos[mm]
+                or not _same_shape(acc, add)
+            ):
                 continue
             b = Builder(graph, like=mm)
             with graph.inserting_before(mm):

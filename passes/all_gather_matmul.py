@@ -12,6 +12,7 @@ is one site. Each matmul use records where the gathered dim lands: "rows" (the m
 output rows follow the gathered chunks: pipelinable), "contraction" (the gathered dim is
 summed over, as in a weight gradient gathered^T @ dy) or "cols".
 """
+
 from __future__ import annotations
 
 import math
@@ -47,6 +48,7 @@ class AllGatherMatmulSite(ConsumerSite):
     """Dim of ``gathered`` that holds the rank-ordered shards."""
     idiom: list[Node] = field(default_factory=list)
     """split/getitem/cat nodes of an inner-dim gather (empty for dim 0)."""
+
     @property
     def dim(self):
         return self.gather_dim
@@ -84,13 +86,22 @@ def find_all_gather_matmul_sites(graph: Graph, deps: DepGraph) -> tuple[list[All
         dropped = [u for u in uses if u not in kept]
         if not kept:
             names = ", ".join(u.matmul.name for u in dropped)
-            loose.append(Loose(node, f"the other operand of every matmul consumer ({names}) "
-                                     "depends on the all-gather itself"))
+            loose.append(
+                Loose(node, f"the other operand of every matmul consumer ({names}) depends on the all-gather itself")
+            )
             continue
         site = AllGatherMatmulSite(
-            coll=node, wait=wait, group=ops.group_name(node), world=world, shard=node.args[0],
-            gathered=gathered, gather_dim=dim, idiom=idiom, uses=kept,
-            other_users=others + [u.matmul for u in dropped])
+            coll=node,
+            wait=wait,
+            group=ops.group_name(node),
+            world=world,
+            shard=node.args[0],
+            gathered=gathered,
+            gather_dim=dim,
+            idiom=idiom,
+            uses=kept,
+            other_users=others + [u.matmul for u in dropped],
+        )
         site.details = {
             "roles": {u.matmul.name: f"{u.side}:{u.role}" for u in kept},
             "other_users": [n.name for n in site.other_users],
@@ -105,8 +116,10 @@ def _no_consumer_reason(coll: Node, others: list[Node]) -> str:
     src = coll.args[0]
     try:
         prod = matmul_producer(src, None, {coll})
-        reason += (f"; its input comes from matmul {prod.matmuls[0].name}: matmul -> all-gather is "
-                   "not a site kind (keep the output sharded, e.g. loss_parallel, or gather the input instead)")
+        reason += (
+            f"; its input comes from matmul {prod.matmuls[0].name}: matmul -> all-gather is "
+            "not a site kind (keep the output sharded, e.g. loss_parallel, or gather the input instead)"
+        )
     except NoProducer:
         pass
     return reason
@@ -121,6 +134,7 @@ def _op_name(n: Node) -> str:
 
 
 # ----------------------------------------------------------------------------- rewrite
+
 
 def row_uses(site: AllGatherMatmulSite) -> list[Use]:
     """Consumers whose output rows follow the gathered rows: mm/addmm on a reshape of the

@@ -19,6 +19,7 @@ q projection back to the projection's weight rows, and over to k and v), so a
 matmul -> all-to-all site is rewritten the same way; each all-to-all a region takes in is
 reported rewritten, "chained_from" the site that took it.
 """
+
 from __future__ import annotations
 
 import math
@@ -81,8 +82,13 @@ def find_all_to_all_sites(graph: Graph, deps: DepGraph):
             continue
         common = dict(coll=node, wait=wait, group=ops.group_name(node), world=ops.world_size(node))
         out_s, in_s = _splits(node)
-        splits = "even" if out_s is None and in_s is None else \
-            "static" if _static_splits(out_s) and _static_splits(in_s) else "dynamic"
+        splits = (
+            "even"
+            if out_s is None and in_s is None
+            else "static"
+            if _static_splits(out_s) and _static_splits(in_s)
+            else "dynamic"
+        )
         found = []
         all_uses, others = matmul_uses(wait, Dims({0}), through_indexing=True)
         uses = [u for u in all_uses if u.other is None or not deps.depends(u.other, wait)]
@@ -95,8 +101,10 @@ def find_all_to_all_sites(graph: Graph, deps: DepGraph):
             why_consumer = "no matmul consumer"
         elif not uses:
             names = ", ".join(u.matmul.name for u in all_uses)
-            why_consumer = (f"the other operand of every matmul consumer ({names}) depends on the "
-                            "all-to-all itself: no chunk can start before all have arrived")
+            why_consumer = (
+                f"the other operand of every matmul consumer ({names}) depends on the "
+                "all-to-all itself: no chunk can start before all have arrived"
+            )
         try:
             prod = matmul_producer(node.args[0], Dims({0}), {node})
             s = MatmulAllToAllSite(**common, producer=prod)
@@ -110,7 +118,6 @@ def find_all_to_all_sites(graph: Graph, deps: DepGraph):
         else:
             loose.append(Loose(node, f"{why_consumer}; {why_producer}"))
     return sites, loose
-
 
 
 # ----------------------------------------------------------------------------- rewrite
@@ -140,9 +147,17 @@ def candidate_regions(site, may_chain=lambda coll: True) -> list[ax.Region]:
     # A dim's indices in groups (ax.candidate_axes) only where the single indices reach less:
     # a region along the finer axis that takes the same collectives and matmuls can cut
     # everything the coarser one can, and more.
-    return [r for r in regions if not (_grouped(r.axis) and any(
-        _finer(o.axis, r.axis) and set(o.collectives) == set(r.collectives) and set(o.matmuls) >= set(r.matmuls)
-        for o in regions))]
+    return [
+        r
+        for r in regions
+        if not (
+            _grouped(r.axis)
+            and any(
+                _finer(o.axis, r.axis) and set(o.collectives) == set(r.collectives) and set(o.matmuls) >= set(r.matmuls)
+                for o in regions
+            )
+        )
+    ]
 
 
 def _grouped(a: ax.Axis) -> bool:
@@ -216,7 +231,7 @@ def _attention_flops(node: Node) -> int | None:
     if node.target not in ax.BATCHED:
         return None
     bwd = "backward" in node.target.__name__
-    q, k = (ops.val(a) if isinstance(a, Node) else None for a in node.args[int(bwd):int(bwd) + 2])
+    q, k = (ops.val(a) if isinstance(a, Node) else None for a in node.args[int(bwd) : int(bwd) + 2])
     if q is None or k is None or q.dim() != 4:
         return None
     b, h, sq, d = (ops.hint(x) for x in q.shape)
@@ -320,7 +335,7 @@ def region_stages(region: ax.Region):
                 return None
             a = region.axes.get(node.args[0])
             shape = ax.static_shape(node.args[0])
-            if a is not None and shape is not None and math.prod(shape[:a.dim]) * a.outer(shape) > 1:
+            if a is not None and shape is not None and math.prod(shape[: a.dim]) * a.outer(shape) > 1:
                 copy_bytes += nb * x.element_size()
             acc = comm.setdefault(2 * (level[node] - 1) + 1, [0, 0, ops.COST_KIND[node.target]])
             if acc[2] != ops.COST_KIND[node.target]:
@@ -366,8 +381,11 @@ def region_stages(region: ax.Region):
             continue
         g, late = cur
         rows, chunked = g.rows()
-        stages.append(cost.Stage("compute", "gemm", g.flops, g.count, rows, chunked, late.flops, late.count,
-                                 late.rows()[0], g.batched))
+        stages.append(
+            cost.Stage(
+                "compute", "gemm", g.flops, g.count, rows, chunked, late.flops, late.count, late.rows()[0], g.batched
+            )
+        )
     return stages, copy_bytes, add_bytes, dtype or "float32"
 
 
@@ -382,8 +400,7 @@ def _anchors(region: ax.Region) -> dict[Node, Node]:
     return {n: next((c for c in colls if level[c] - 1 >= level[n]), colls[-1]) for n in region.deferred}
 
 
-def retire_region(graph: Graph, region: ax.Region, anchors: dict[Node, Node], last_chunk: dict,
-                  on_erase=None) -> None:
+def retire_region(graph: Graph, region: ax.Region, anchors: dict[Node, Node], last_chunk: dict, on_erase=None) -> None:
     """After a region's chunked replay (``last_chunk``: the last chunk's node per original):
     erase the region's collectives, the last first, dead nodes swept before each (so that
     nothing but the collective's wait still reads it), calling ``on_erase(coll)`` after each;
@@ -478,9 +495,11 @@ def rewrite(site, chunks: int) -> None:
     region = best_region(site, may_chain)
     if region is None:  # planned only as part of a region whose own site was not rewritten
         reacher = site.coll.meta.get(REACHED)
-        site.skip("chunkable only as part of the region of "
-                  f"{reacher.name if reacher else 'another site'}, which was not rewritten"
-                  + (f": {reacher.reason}" if reacher is not None and reacher.reason else ""))
+        site.skip(
+            "chunkable only as part of the region of "
+            f"{reacher.name if reacher else 'another site'}, which was not rewritten"
+            + (f": {reacher.reason}" if reacher is not None and reacher.reason else "")
+        )
         return False
     describe(site, region)
     graph = site.coll.graph
@@ -510,6 +529,7 @@ def rewrite(site, chunks: int) -> None:
                 whole = [m.name for m in other.matmuls if m not in in_region]
                 if whole:
                     other.details["matmuls_after_whole"] = whole
+
     retire_region(graph, region, anchors, pieces[-1], chained)
     _one_at_a_time(comm_first, pieces)
     site.details["chunk_sizes"] = sizes

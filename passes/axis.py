@@ -31,6 +31,7 @@ Each op is replayed per chunk with the same arguments, except its shape argument
 axis dim shrinks) and its operands from outside the region, which are narrowed to the
 chunk when they have the axis, and passed whole when they broadcast over it.
 """
+
 from __future__ import annotations
 
 import math
@@ -72,8 +73,11 @@ class Axis:
         return s
 
     def fits(self, shape) -> bool:
-        return (0 <= self.dim < len(shape) and isinstance(shape[self.dim], int)
-                and shape[self.dim] % (self.extent * self.inner) == 0)
+        return (
+            0 <= self.dim < len(shape)
+            and isinstance(shape[self.dim], int)
+            and shape[self.dim] % (self.extent * self.inner) == 0
+        )
 
 
 def static_shape(node) -> list[int] | None:
@@ -85,12 +89,13 @@ def static_shape(node) -> list[int] | None:
 
 # ----------------------------------------------------------------------------- mapping
 
+
 def through_reshape(src: list[int], axis: Axis, dst: list[int]) -> Axis | None:
     """Where the factor lands after a reshape from ``src`` to ``dst`` (None: it is split)."""
-    stride = axis.inner * math.prod(src[axis.dim + 1:])  # element stride of the factor
+    stride = axis.inner * math.prod(src[axis.dim + 1 :])  # element stride of the factor
     span = stride * axis.extent
     for j in range(len(dst)):
-        p = math.prod(dst[j + 1:])
+        p = math.prod(dst[j + 1 :])
         if p <= stride and stride % p == 0 and (p * dst[j]) % span == 0:
             return Axis(j, axis.extent, stride // p)
     return None
@@ -103,6 +108,7 @@ def _norm(d: int, rank: int) -> int:
 @dataclass
 class Step:
     """How one node of the region is computed per chunk."""
+
     node: Node
     axis: Axis | None
     """The output's axis; None: the node sums over the axis (a partial per chunk)."""
@@ -190,8 +196,9 @@ def step_of(node: Node, axes: dict[Node, Axis]) -> Step | None:
             return None
         # view/reshape/_unsafe_view take the new shape; squeeze/unsqueeze/flatten keep their
         # dim arguments valid because sizes, not ranks, change.
-        shape_arg = (1, out) if t in (ops.aten.view.default, ops.aten._unsafe_view.default,
-                                      ops.aten.reshape.default) else None
+        shape_arg = (
+            (1, out) if t in (ops.aten.view.default, ops.aten._unsafe_view.default, ops.aten.reshape.default) else None
+        )
         return Step(node, new, {0: PIECE}, shape_arg)
     if t in ops.PERMUTES and list(reached) == [0]:
         a = axes[node.args[0]]
@@ -267,6 +274,7 @@ class Attention:
     lengths, an empty debug mask) are the same for every chunk while ``dropout_p`` is 0:
     readers outside take the first chunk's. ``none``: args (by name) that must be None
     (attention bias or mask, nested-tensor sequence offsets); ``off``: flags that must be False."""
+
     batched: frozenset
     outputs: frozenset
     none: tuple = ()
@@ -280,18 +288,24 @@ def _attention_ops() -> dict:
         "_scaled_dot_product_flash_attention_for_cpu_backward": ((0, 1, 2, 3, 4, 5), (0, 1, 2), ("attn_mask",), ()),
         # CUDA flash: (out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng state, unused, debug mask)
         "_scaled_dot_product_flash_attention": ((0, 1, 2), (0, 1), (), ("return_debug_mask",)),
-        "_scaled_dot_product_flash_attention_backward": ((0, 1, 2, 3, 4, 5), (0, 1, 2),
-                                                         ("cum_seq_q", "cum_seq_k"), ()),
+        "_scaled_dot_product_flash_attention_backward": ((0, 1, 2, 3, 4, 5), (0, 1, 2), ("cum_seq_q", "cum_seq_k"), ()),
         # memory-efficient: (out, logsumexp padded to 32 rows, seed, offset); backward also a bias grad
         "_scaled_dot_product_efficient_attention": ((0, 1, 2), (0, 1), ("attn_bias",), ()),
         "_scaled_dot_product_efficient_attention_backward": ((0, 1, 2, 3, 5, 6), (0, 1, 2), ("attn_bias",), ()),
         # cuDNN: as flash, logsumexp (B, H, S, 1)
         "_scaled_dot_product_cudnn_attention": ((0, 1, 2), (0, 1), ("attn_bias",), ("return_debug_mask",)),
-        "_scaled_dot_product_cudnn_attention_backward": ((0, 1, 2, 3, 4, 5), (0, 1, 2),
-                                                         ("attn_bias", "cum_seq_q", "cum_seq_k"), ()),
+        "_scaled_dot_product_cudnn_attention_backward": (
+            (0, 1, 2, 3, 4, 5),
+            (0, 1, 2),
+            ("attn_bias", "cum_seq_q", "cum_seq_k"),
+            (),
+        ),
     }
-    return {getattr(ops.aten, name).default: Attention(frozenset(b), frozenset(o), none, off)
-            for name, (b, o, none, off) in specs.items() if hasattr(ops.aten, name)}
+    return {
+        getattr(ops.aten, name).default: Attention(frozenset(b), frozenset(o), none, off)
+        for name, (b, o, none, off) in specs.items()
+        if hasattr(ops.aten, name)
+    }
 
 
 # Fused attention ops (forward and backward), on CPU and the CUDA kernels SDPA picks from.
@@ -349,8 +363,13 @@ def _batched_step(node: Node, axes: dict[Node, Axis]) -> Step | None:
 
 def invariant_output(node: Node) -> bool:
     """A getitem of an attention op's result that is the same for every chunk (see :class:`Attention`)."""
-    return node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], Node) \
-        and node.args[0].target in BATCHED and node.args[1] not in BATCHED[node.args[0].target].outputs
+    return (
+        node.op == "call_function"
+        and node.target is operator.getitem
+        and isinstance(node.args[0], Node)
+        and node.args[0].target in BATCHED
+        and node.args[1] not in BATCHED[node.args[0].target].outputs
+    )
 
 
 def _concat_step(node: Node, axes: dict[Node, Axis]) -> Step | None:
@@ -387,8 +406,11 @@ def _matmul_step(node: Node, axes: dict[Node, Axis]) -> Step | None:
         # (slices of B or M start at a multiple of the row stride, which its checks align).
         # A sum over K is fine in bf16/fp16: it runs whole, on operands rebuilt from the chunks.
         v = ops.val(node)
-        whole = v is not None and v.dtype in LOW_PRECISION and (
-            (la is not None and la.dim == k) or (ra is not None and ra.dim == k2))
+        whole = (
+            v is not None
+            and v.dtype in LOW_PRECISION
+            and ((la is not None and la.dim == k) or (ra is not None and ra.dim == k2))
+        )
         if not (whole or (la is not None and la.dim in (0, m)) or (ra is not None and ra.dim == 0)):
             return None
 
@@ -417,6 +439,7 @@ def _matmul_step(node: Node, axes: dict[Node, Axis]) -> Step | None:
 
 
 # ----------------------------------------------------------------------------- regions
+
 
 def even_splits(coll: Node) -> bool:
     out_s, in_s = coll.args[1], coll.args[2]
@@ -535,8 +558,9 @@ class _Grower:
                 continue
             if not any(a in self.axes and a not in self.seeds for a in node.all_input_nodes):
                 continue
-            if node in self.defer or (ops.is_collective(node) and (node.target not in self.kinds
-                                                                   or not self.may_chain(node))):
+            if node in self.defer or (
+                ops.is_collective(node) and (node.target not in self.kinds or not self.may_chain(node))
+            ):
                 continue
             st = step_of(node, self.axes)
             if st is None or (_low_precision_sum(node, st) and not self.probe):
@@ -655,8 +679,15 @@ def grow(start: Node, axis: Axis, may_chain=lambda coll: True, kinds=(ops.ALL_TO
     inside = set(g.steps)
     invariant = [u for n in g.axes if n.target in BATCHED for u in n.users if u not in inside and invariant_output(u)]
     whole = [n for n in g.axes if n not in g.seeds and any(u not in inside and u not in invariant for u in n.users)]
-    return Region(axis, steps, g.axes, sorted(g.seeds, key=order.get), sorted(whole, key=order.get),
-                  sorted(g.defer, key=order.get), sorted(invariant, key=order.get))
+    return Region(
+        axis,
+        steps,
+        g.axes,
+        sorted(g.seeds, key=order.get),
+        sorted(whole, key=order.get),
+        sorted(g.defer, key=order.get),
+        sorted(invariant, key=order.get),
+    )
 
 
 def levels(nodes) -> dict[Node, int]:
@@ -677,8 +708,11 @@ def _deferrable(steps: dict[Node, Step]) -> list[Node]:
     nodes = sorted(steps, key=order.get)
     level = levels(nodes)
     fed = [level[c] - 1 for c in nodes if in_region_kind(c)]
-    return [n for n in nodes if steps[n].axis is None and not any(u in steps for u in n.users)
-            and any(f >= level[n] for f in fed)]
+    return [
+        n
+        for n in nodes
+        if steps[n].axis is None and not any(u in steps for u in n.users) and any(f >= level[n] for f in fed)
+    ]
 
 
 MAX_GROUPED = 64
@@ -698,15 +732,20 @@ def candidate_axes(node: Node, world: int) -> list[Axis]:
             continue
         dst = static_shape(u)
         for j in range(len(dst or [])):
-            p = math.prod(dst[j + 1:])
+            p = math.prod(dst[j + 1 :])
             if p % row == 0 and dst[j] > 1 and shape[0] % (dst[j] * (p // row)) == 0:
                 out.append(Axis(0, dst[j], p // row))
     out.append(Axis(0, shape[0] // world, 1))
     out += [Axis(d, shape[d], 1) for d in range(1, len(shape)) if shape[d] > 1]
     # and groups of a dim's indices (heads in groups: with grouped-query attention, chunk c of
     # the k/v heads serves the query heads of group c)
-    out += [Axis(d, e, shape[d] // e) for d in range(1, len(shape)) if shape[d] <= MAX_GROUPED
-            for e in range(2, shape[d]) if shape[d] % e == 0]
+    out += [
+        Axis(d, e, shape[d] // e)
+        for d in range(1, len(shape))
+        if shape[d] <= MAX_GROUPED
+        for e in range(2, shape[d])
+        if shape[d] % e == 0
+    ]
     seen, keep = set(), []
     for a in out:
         if a not in seen and a.fits(shape) and (a.dim != 0 or a.outer(shape) % world == 0) and a.extent > 1:
@@ -717,13 +756,14 @@ def candidate_axes(node: Node, world: int) -> list[Axis]:
 
 # ----------------------------------------------------------------------------- building
 
+
 def narrow(b: Builder, x: Node, axis: Axis, start: int, n: int) -> Node:
     """Chunk [start, start + n) of ``x`` along ``axis``."""
     shape = static_shape(x)
     o = axis.outer(shape)
     if o == 1 and axis.inner == 1:
         return b.slice(x, axis.dim, start, start + n)
-    split = shape[:axis.dim] + [o, axis.extent, axis.inner] + shape[axis.dim + 1:]
+    split = shape[: axis.dim] + [o, axis.extent, axis.inner] + shape[axis.dim + 1 :]
     piece = b.slice(b.view(x, split), axis.dim + 1, start, start + n)
     return b.reshape(piece, axis.resized(shape, n))
 
@@ -735,8 +775,7 @@ def assemble(b: Builder, pieces: list[Node], sizes: list[int], axis: Axis, shape
     o = axis.outer(shape)
     if o == 1 and axis.inner == 1:
         return b.cat(pieces, axis.dim)
-    parts = [b.view(p, shape[:axis.dim] + [o, n, axis.inner] + shape[axis.dim + 1:])
-             for p, n in zip(pieces, sizes)]
+    parts = [b.view(p, shape[: axis.dim] + [o, n, axis.inner] + shape[axis.dim + 1 :]) for p, n in zip(pieces, sizes)]
     return b.view(b.cat(parts, axis.dim + 1), shape)
 
 

@@ -6,6 +6,7 @@ for the passes that follow (ours and inductor's). Nodes also inherit the module 
 stack trace of the node they stand in for, so reports and profiles still point at the
 user's code.
 """
+
 from __future__ import annotations
 
 import operator
@@ -22,8 +23,7 @@ from overlapc.runtime.dropless import chunk_weights
 
 from . import ops
 
-_INHERITED = ("nn_module_stack", "fwd_nn_module_stack", "stack_trace", "source_fn_stack",
-              "seq_nr", "partitioner_tag")
+_INHERITED = ("nn_module_stack", "fwd_nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr", "partitioner_tag")
 
 
 class Builder:
@@ -104,6 +104,7 @@ class Builder:
     # -- short forms for the ops rewrites use
     def getitem(self, node: Node, i: int) -> Node:
         import operator
+
         return self.call(operator.getitem, node, i)
 
     def view(self, x: Node, shape) -> Node:
@@ -132,8 +133,16 @@ class Builder:
         return xs[0] if len(xs) == 1 else self.call(ops.aten.cat.default, list(xs), dim)
 
 
-_SYM_OPS = {"Add": operator.add, "Mul": operator.mul, "Pow": operator.mul, "FloorDiv": operator.floordiv,
-            "Mod": operator.mod, "PythonMod": operator.mod, "Max": torch.sym_max, "Min": torch.sym_min}
+_SYM_OPS = {
+    "Add": operator.add,
+    "Mul": operator.mul,
+    "Pow": operator.mul,
+    "FloorDiv": operator.floordiv,
+    "Mod": operator.mod,
+    "PythonMod": operator.mod,
+    "Max": torch.sym_max,
+    "Min": torch.sym_min,
+}
 
 
 def _size_sources(graph: Graph) -> dict:

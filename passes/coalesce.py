@@ -19,6 +19,7 @@ all-reduce used nowhere else are coalesced, per process group and dtype; the oth
 added to the result afterwards. The sum is reassociated: values differ from the baseline's by
 rounding (fp32: ~1e-7 relative; bf16: a few units in the last place).
 """
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,7 @@ from .build import Builder
 PATTERN = "all_reduce_sum"
 # Layout ops a leaf may pass through: AR(x) viewed equals AR(x viewed); a dtype change would
 # move the reduction into another precision, so casts end the walk.
-_LEAF_OPS = ops.RESHAPES | ops.PERMUTES | {ops.aten.clone.default, ops.aten.alias.default,
-                                           ops.aten.contiguous.default}
+_LEAF_OPS = ops.RESHAPES | ops.PERMUTES | {ops.aten.clone.default, ops.aten.alias.default, ops.aten.contiguous.default}
 
 
 @dataclass
@@ -62,14 +62,23 @@ class _Group:
 
 
 def _is_plain_add(node: Node) -> bool:
-    return node.op == "call_function" and node.target is ops.ADD and node.kwargs.get("alpha", 1) == 1 \
-        and len(node.args) == 2 and all(isinstance(a, Node) for a in node.args)
+    return (
+        node.op == "call_function"
+        and node.target is ops.ADD
+        and node.kwargs.get("alpha", 1) == 1
+        and len(node.args) == 2
+        and all(isinstance(a, Node) for a in node.args)
+    )
 
 
 def _same_tensor_type(a: Node, b: Node) -> bool:
     va, vb = ops.val(a), ops.val(b)
-    return va is not None and vb is not None and va.dtype == vb.dtype \
+    return (
+        va is not None
+        and vb is not None
+        and va.dtype == vb.dtype
         and [str(s) for s in va.shape] == [str(s) for s in vb.shape]
+    )
 
 
 def _leaf(node: Node, root: Node) -> _Leaf | None:
@@ -85,9 +94,14 @@ def _leaf(node: Node, root: Node) -> _Leaf | None:
     if node.target is not ops.WAIT or len(node.users) != 1:
         return None
     coll = node.args[0]
-    if not isinstance(coll, Node) or coll.target is not ops.ALL_REDUCE or ops.reduce_op(coll) != "sum" \
-            or ops.wait_of(coll) is not node or ops.val(coll.args[0]) is None \
-            or ops.val(coll.args[0]).dtype != ops.val(root).dtype:
+    if (
+        not isinstance(coll, Node)
+        or coll.target is not ops.ALL_REDUCE
+        or ops.reduce_op(coll) != "sum"
+        or ops.wait_of(coll) is not node
+        or ops.val(coll.args[0]) is None
+        or ops.val(coll.args[0]).dtype != ops.val(root).dtype
+    ):
         return None
     return _Leaf(coll, node, list(reversed(chain)))
 
@@ -196,12 +210,21 @@ def coalesce_all_reduces(graph: Graph, graph_kind: str, options: Options) -> lis
         seen[base] = seen.get(base, 0) + 1
         name = base if seen[base] == 1 else f"{base}#{seen[base]}"
         merged = [lf.coll.name for lf in group.leaves]
-        row = Site(name=name, pattern=PATTERN, graph=graph_kind, status="found", group=ops.group_name(first),
-                   world_size=ops.world_size(first), collective=first.name, collective_op="all_reduce",
-                   module=module, dtype=ops.dtype_name(v), comm_bytes=nbytes,
-                   shapes={"input": [ops.hint(s) for s in v.shape], "output": [ops.hint(s) for s in v.shape]},
-                   details={"all_reduces": merged,
-                            "bytes_saved": None if nbytes is None else (len(merged) - 1) * nbytes})
+        row = Site(
+            name=name,
+            pattern=PATTERN,
+            graph=graph_kind,
+            status="found",
+            group=ops.group_name(first),
+            world_size=ops.world_size(first),
+            collective=first.name,
+            collective_op="all_reduce",
+            module=module,
+            dtype=ops.dtype_name(v),
+            comm_bytes=nbytes,
+            shapes={"input": [ops.hint(s) for s in v.shape], "output": [ops.hint(s) for s in v.shape]},
+            details={"all_reduces": merged, "bytes_saved": None if nbytes is None else (len(merged) - 1) * nbytes},
+        )
         if options.for_site(name)["strategy"] == "none":
             row.reason = "strategy 'none': the all-reduces are left as they are"
         else:

@@ -63,6 +63,7 @@ with symmetric memory):
 ``Max(t_gemm / fused_efficiency, t_comm) + t_comm / n_tiles_in_flight`` approximated as
 ``Max(g / eff_fused, c) + c / 8``.
 """
+
 from __future__ import annotations
 
 import json
@@ -81,6 +82,7 @@ from . import ops
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "overlapc" / "profiles"
 if not PROFILE_DIR.is_dir():  # installed (non-editable): overlapc/profiles next to overlapc/
     import overlapc as _o
+
     PROFILE_DIR = Path(_o.__file__).resolve().parent / "profiles"
 CACHE_DIR = Path(os.environ.get("OVERLAPC_CACHE", Path.home() / ".cache" / "overlapc"))
 BUILTIN = ("cpu-local", "cpu-default", "h100-nvlink", "h200-nvlink", "ib-400g")
@@ -88,56 +90,56 @@ BUILTIN = ("cpu-local", "cpu-default", "h100-nvlink", "h200-nvlink", "ib-400g")
 
 @dataclass(frozen=True)
 class Gemm:
-    peak_flops: float   # flop/s, vendor peak (or measured best)
-    eff_max: float      # fraction of peak the largest GEMMs reach
-    half_flops: float   # flops at which a GEMM reaches half of eff_max * peak
+    peak_flops: float  # flop/s, vendor peak (or measured best)
+    eff_max: float  # fraction of peak the largest GEMMs reach
+    half_flops: float  # flops at which a GEMM reaches half of eff_max * peak
     half_rows: float = 0.0  # rows (M) at which a GEMM's rate halves: a skinny GEMM streams its
-                            # whole weight for few rows (0: not modelled)
+    # whole weight for few rows (0: not modelled)
     half_rows_batched: float = 0.0  # the same for batched GEMMs (bmm: M rows per batch entry, e.g. per
-                                    # expert); 0: as half_rows
+    # expert); 0: as half_rows
 
 
 @dataclass(frozen=True)
 class Link:
-    alpha: float        # s per ring step
-    beta: float         # bytes/s per rank and direction
+    alpha: float  # s per ring step
+    beta: float  # bytes/s per rank and direction
 
 
 @dataclass(frozen=True)
 class Profile:
     name: str
     source: str
-    gemm: dict[str, Gemm]           # by dtype name: "float32", "bfloat16", ...
+    gemm: dict[str, Gemm]  # by dtype name: "float32", "bfloat16", ...
     link: Link
-    chunk_overhead: float           # s per extra chunk (launch, sync, bookkeeping)
-    min_gain: float                 # predicted gains below this are within the model's error: skip
-    rs_factor: float = 1.0          # reduce-scatter cost relative to the ring formula (gloo: 2)
-    rs_large: tuple = ()            # ((input bytes, s), ...): a large reduce-scatter's excess over that,
-                                    # 0 at the first point (for groups of curves_world ranks)
-    copy_bw: float = 1e12           # bytes/s of a device-local copy (read + write counted once)
-    overlap_loss: float = 0.0       # share of the shorter of (transfer, GEMM) that still shows when they overlap
+    chunk_overhead: float  # s per extra chunk (launch, sync, bookkeeping)
+    min_gain: float  # predicted gains below this are within the model's error: skip
+    rs_factor: float = 1.0  # reduce-scatter cost relative to the ring formula (gloo: 2)
+    rs_large: tuple = ()  # ((input bytes, s), ...): a large reduce-scatter's excess over that,
+    # 0 at the first point (for groups of curves_world ranks)
+    copy_bw: float = 1e12  # bytes/s of a device-local copy (read + write counted once)
+    overlap_loss: float = 0.0  # share of the shorter of (transfer, GEMM) that still shows when they overlap
     comm_loss: dict = field(default_factory=dict)  # collective kind -> share of the GEMM time run under a
-                                                   # transfer by which that transfer is lengthened
+    # transfer by which that transfer is lengthened
     concurrent_reductions: bool = False  # chunked RS/AR issued at once run concurrently (gloo)
     comm_threads: int | None = None  # collectives a group runs at once (gloo: its 2 worker threads);
-                                     # None: 2 where concurrent_reductions, else 1
-    fresh_bytes: float = 0.0        # outputs of at least this many bytes are fresh pages every call (glibc
-                                    # returns them to the OS on free: a GEMM's first write page-faults); 0: none
-    fresh_bw: float = 0.0           # bytes/s of that first touch
+    # None: 2 where concurrent_reductions, else 1
+    fresh_bytes: float = 0.0  # outputs of at least this many bytes are fresh pages every call (glibc
+    # returns them to the OS on free: a GEMM's first write page-faults); 0: none
+    fresh_bw: float = 0.0  # bytes/s of that first touch
     loaded_latency: dict = field(default_factory=dict)  # collective kind -> its latency with GEMMs running on
-                                                        # the rank, relative to idle (a pipeline's chunks run
-                                                        # under its GEMMs; the baseline's do not); absent: 1
+    # the rank, relative to idle (a pipeline's chunks run
+    # under its GEMMs; the baseline's do not); absent: 1
     concurrent_excess: float = 1.0  # share of a transfer's time beyond the link's best rate (per-connection
-                                    # inefficiency, latency) that still shows when a chunk's several
-                                    # all-gathers / all-to-alls are issued at once (1: none hides)
+    # inefficiency, latency) that still shows when a chunk's several
+    # all-gathers / all-to-alls are issued at once (1: none hides)
     fused_efficiency: float | None = None  # fused kernels' GEMM rate relative to plain GEMMs; None: no fused kernels
-    device: str = "cpu"             # what the profile describes ("cuda": a GPU cluster, planned from anywhere)
+    device: str = "cpu"  # what the profile describes ("cuda": a GPU cluster, planned from anywhere)
     curves: dict = field(default_factory=dict)  # collective kind -> ((input bytes per rank, s), ...):
-                                                # measured times, used instead of alpha-beta ...
-    curves_world: int | None = None             # ... for groups of this many ranks only
+    # measured times, used instead of alpha-beta ...
+    curves_world: int | None = None  # ... for groups of this many ranks only
     world_curves: dict = field(default_factory=dict)  # group size -> {kind -> points}: measured on the live
-                                                      # group when a graph is compiled (overlapc/runtime/live.py);
-                                                      # read before ``curves``
+    # group when a graph is compiled (overlapc/runtime/live.py);
+    # read before ``curves``
     provenance: dict = field(default_factory=dict)  # (kind, group size) -> "measured" or "cached"
 
     def curve(self, kind: str, world: int):
@@ -160,28 +162,45 @@ class Profile:
 
 def profile_from_dict(d: dict, path: str | None = None) -> Profile:
     try:
-        gemm = {k: Gemm(float(v["peak_tflops"]) * 1e12, float(v["eff_max"]), float(v["half_gflop"]) * 1e9,
-                        float(v.get("half_rows", 0.0)), float(v.get("half_rows_batched", 0.0)))
-                for k, v in d["gemm"].items()}
+        gemm = {
+            k: Gemm(
+                float(v["peak_tflops"]) * 1e12,
+                float(v["eff_max"]),
+                float(v["half_gflop"]) * 1e9,
+                float(v.get("half_rows", 0.0)),
+                float(v.get("half_rows_batched", 0.0)),
+            )
+            for k, v in d["gemm"].items()
+        }
         link = Link(float(d["link"]["alpha_us"]) * 1e-6, float(d["link"]["beta_gbps"]) * 1e9)
-        return Profile(name=d["name"], source=d["source"], gemm=gemm, link=link,
-                       chunk_overhead=float(d["chunk_overhead_us"]) * 1e-6, min_gain=float(d["min_gain"]),
-                       rs_factor=float(d.get("rs_factor", 1.0)), copy_bw=float(d.get("copy_gbps", 1000)) * 1e9,
-                       overlap_loss=float(d.get("overlap_loss", 0.0)),
-                       comm_loss={k: float(v) for k, v in (d.get("comm_loss") or {}).items()},
-                       rs_large=tuple((float(b), float(t)) for b, t in d.get("rs_large") or ()),
-                       concurrent_reductions=bool(d.get("concurrent_reductions", False)),
-                       comm_threads=d.get("comm_threads"),
-                       concurrent_excess=float(d.get("concurrent_excess", 1.0)),
-                       loaded_latency={k: max(1.0, float(v)) for k, v in (d.get("loaded_latency") or {}).items()},
-                       fresh_bytes=float((d.get("fresh_alloc") or {}).get("bytes", 0.0)),
-                       fresh_bw=float((d.get("fresh_alloc") or {}).get("gbps", 0.0)) * 1e9,
-                       fused_efficiency=d.get("fused_efficiency"), device=str(d.get("device", "cpu")),
-                       curves={k: _monotone(v) for k, v in (d.get("curves") or {}).items() if v},
-                       curves_world=int(d["curves_world"]) if d.get("curves") or d.get("rs_large") else None)
+        return Profile(
+            name=d["name"],
+            source=d["source"],
+            gemm=gemm,
+            link=link,
+            chunk_overhead=float(d["chunk_overhead_us"]) * 1e-6,
+            min_gain=float(d["min_gain"]),
+            rs_factor=float(d.get("rs_factor", 1.0)),
+            copy_bw=float(d.get("copy_gbps", 1000)) * 1e9,
+            overlap_loss=float(d.get("overlap_loss", 0.0)),
+            comm_loss={k: float(v) for k, v in (d.get("comm_loss") or {}).items()},
+            rs_large=tuple((float(b), float(t)) for b, t in d.get("rs_large") or ()),
+            concurrent_reductions=bool(d.get("concurrent_reductions", False)),
+            comm_threads=d.get("comm_threads"),
+            concurrent_excess=float(d.get("concurrent_excess", 1.0)),
+            loaded_latency={k: max(1.0, float(v)) for k, v in (d.get("loaded_latency") or {}).items()},
+            fresh_bytes=float((d.get("fresh_alloc") or {}).get("bytes", 0.0)),
+            fresh_bw=float((d.get("fresh_alloc") or {}).get("gbps", 0.0)) * 1e9,
+            fused_efficiency=d.get("fused_efficiency"),
+            device=str(d.get("device", "cpu")),
+            curves={k: _monotone(v) for k, v in (d.get("curves") or {}).items() if v},
+            curves_world=int(d["curves_world"]) if d.get("curves") or d.get("rs_large") else None,
+        )
     except (KeyError, TypeError, ValueError) as e:
-        raise OverlapError(f"hardware profile {path or d.get('name')!r} is malformed: {type(e).__name__}: {e}; "
-                           f"see {PROFILE_DIR / 'h100-nvlink.json'} for the format") from e
+        raise OverlapError(
+            f"hardware profile {path or d.get('name')!r} is malformed: {type(e).__name__}: {e}; "
+            f"see {PROFILE_DIR / 'h100-nvlink.json'} for the format"
+        ) from e
 
 
 def _monotone(points) -> tuple:
@@ -206,13 +225,17 @@ def load_profile(name_or_path: str | None = None) -> Profile:
     elif name_or_path == "cpu-local":
         p = CACHE_DIR / "cpu-local.json"
         if not p.is_file():
-            raise OverlapError("option 'hardware': profile 'cpu-local' has not been measured on this machine; "
-                               "run `overlapc calibrate --world-size N` (or use 'cpu-default')")
+            raise OverlapError(
+                "option 'hardware': profile 'cpu-local' has not been measured on this machine; "
+                "run `overlapc calibrate --world-size N` (or use 'cpu-default')"
+            )
     else:
         p = PROFILE_DIR / f"{name_or_path}.json"
         if not p.is_file():
-            raise OverlapError(f"option 'hardware' must be one of {', '.join(repr(b) for b in BUILTIN)} or a "
-                               f"profile file path; got {name_or_path!r}")
+            raise OverlapError(
+                f"option 'hardware' must be one of {', '.join(repr(b) for b in BUILTIN)} or a "
+                f"profile file path; got {name_or_path!r}"
+            )
     return _read_profile(str(p), p.stat().st_mtime_ns)
 
 
@@ -226,6 +249,7 @@ def default_profile_name() -> str:
     """H100/H200 by device name; else cpu-local when calibrated, else cpu-default."""
     try:
         import torch
+
         if torch.cuda.is_available():
             dev = torch.cuda.get_device_name()
             if "H200" in dev:
@@ -307,25 +331,36 @@ class Stage:
     collectives on the comm lane. A site is a sequence of stages whose chunk i of stage
     s needs chunk i of stage s - 1 (AG -> mm: [all_gather, gemm]; mm -> RS: [gemm,
     reduce_scatter]; an all-to-all region: e.g. [gemm, all_to_all, gemm, all_to_all, gemm])."""
-    lane: str           # "compute" or "comm"
-    kind: str           # "gemm", or the collective: "all_gather", "reduce_scatter", ...
-    amount: int         # compute: flops; comm: bytes of this rank's inputs (all collectives of the stage)
-    count: int = 1      # collectives (or GEMM calls) the stage is made of; each pays its latency per chunk
-    rows: int | None = None   # compute: rows (M) of its GEMM calls, whole
+
+    lane: str  # "compute" or "comm"
+    kind: str  # "gemm", or the collective: "all_gather", "reduce_scatter", ...
+    amount: int  # compute: flops; comm: bytes of this rank's inputs (all collectives of the stage)
+    count: int = 1  # collectives (or GEMM calls) the stage is made of; each pays its latency per chunk
+    rows: int | None = None  # compute: rows (M) of its GEMM calls, whole
     rows_chunked: bool = True  # the chunks cut those rows (else each chunk's GEMMs keep them all)
-    after: int = 0      # compute: flops run whole, once, after the stage's last chunk (deferred sums)
+    after: int = 0  # compute: flops run whole, once, after the stage's last chunk (deferred sums)
     after_count: int = 0  # the GEMM calls of ``after``
     after_rows: int | None = None  # their rows (M)
     batched: bool = False  # compute: its chunked GEMMs are batched (bmm: ``rows`` per batch entry)
     out_bytes: int = 0  # compute: bytes of its GEMM calls' outputs, whole (0: not counted)
     out_whole: bool = False  # compute: the rewrite reassembles those outputs into whole tensors (which
-                             # are then the fresh allocations, not the chunks' outputs)
+    # are then the fresh allocations, not the chunks' outputs)
 
     def to_dict(self) -> dict:
-        return {"lane": self.lane, "kind": self.kind, "amount": self.amount, "count": self.count,
-                "rows": self.rows, "rows_chunked": self.rows_chunked, "after": self.after,
-                "after_count": self.after_count, "after_rows": self.after_rows, "batched": self.batched,
-                "out_bytes": self.out_bytes, "out_whole": self.out_whole}
+        return {
+            "lane": self.lane,
+            "kind": self.kind,
+            "amount": self.amount,
+            "count": self.count,
+            "rows": self.rows,
+            "rows_chunked": self.rows_chunked,
+            "after": self.after,
+            "after_count": self.after_count,
+            "after_rows": self.after_rows,
+            "batched": self.batched,
+            "out_bytes": self.out_bytes,
+            "out_whole": self.out_whole,
+        }
 
     def t_after(self, gemm: Gemm):
         """Time of the deferred GEMMs (whole rows, as in the baseline)."""
@@ -348,10 +383,14 @@ def stage_times(st: Stage, fracs: list, world: int, gemm: Gemm, p: Profile) -> l
     if st.lane == "compute":
         rows = (lambda f: st.rows * f) if st.rows_chunked else (lambda f: st.rows)
         out = sympy.sympify(st.out_bytes) / max(1, st.count)  # one call's output, whole
-        return [st.count * (t_gemm(sympy.sympify(st.amount) * f / st.count, gemm,
-                                   None if st.rows is None else rows(f), st.batched)
-                            + (t_fresh(out, p) * f if st.out_whole else t_fresh(out * f, p)))
-                for f in fracs]
+        return [
+            st.count
+            * (
+                t_gemm(sympy.sympify(st.amount) * f / st.count, gemm, None if st.rows is None else rows(f), st.batched)
+                + (t_fresh(out, p) * f if st.out_whole else t_fresh(out * f, p))
+            )
+            for f in fracs
+        ]
     one = [sympy.sympify(st.amount) * f / st.count for f in fracs]  # bytes of one collective per chunk
     each = [t_comm(st.kind, b, world, p) for b in one]
     if st.kind in ("all_gather", "all_to_all") and st.count > 1 and len(fracs) > 1 and p.concurrent_excess < 1:
@@ -385,8 +424,9 @@ def stage_times(st: Stage, fracs: list, world: int, gemm: Gemm, p: Profile) -> l
     return ts
 
 
-def flow(durations: list[list], lanes: list[str], loss: float = 0.0, after: list | None = None,
-         comm_loss: list | None = None):
+def flow(
+    durations: list[list], lanes: list[str], loss: float = 0.0, after: list | None = None, comm_loss: list | None = None
+):
     """Start times and durations of a chunked pipeline, and its end (sympy or numbers).
 
     ``durations[s][i]``: chunk i of stage s; ``lanes[s]``: its lane. Each lane runs its
@@ -455,21 +495,36 @@ def chunk_fracs(n: int, extent=None) -> list:
     weights 1, 2, .., 2, 1, or the exact sizes where the extent is a number."""
     if isinstance(extent, int) and extent >= n:
         from .build import chunk_sizes
+
         return [sympy.Rational(c, extent) for c in chunk_sizes(extent, n)]
     w = chunk_weights(n)
     return [sympy.Rational(wi, sum(w)) for wi in w]
 
 
-def t_stages(stages: list[Stage], world: int, gemm: Gemm, p: Profile, n: int, copy_bytes=0, extent=None,
-             add_bytes=0, events: bool = False):
+def t_stages(
+    stages: list[Stage],
+    world: int,
+    gemm: Gemm,
+    p: Profile,
+    n: int,
+    copy_bytes=0,
+    extent=None,
+    add_bytes=0,
+    events: bool = False,
+):
     """Predicted time of the stages as an n-chunk pipeline: the flow, plus ``chunk_overhead``
     per extra chunk of each collective, plus the copies the rewrite adds (``copy_bytes``, and
     ``add_bytes`` per extra chunk: partial sums) at ``copy_bw``. With ``events``: (events, end)
     where events are (lane, label, start, duration), the overhead and copies last."""
     fracs = chunk_fracs(n, extent)
     durations = [stage_times(st, fracs, world, gemm, p) for st in stages]
-    evs, end = flow(durations, [st.lane for st in stages], p.overlap_loss, [st.t_after(gemm) for st in stages],
-                    [comm_loss_of(st.kind, p) for st in stages])
+    evs, end = flow(
+        durations,
+        [st.lane for st in stages],
+        p.overlap_loss,
+        [st.t_after(gemm) for st in stages],
+        [comm_loss_of(st.kind, p) for st in stages],
+    )
     n_colls = sum(st.count for st in stages if st.lane == "comm")
     tail = (n - 1) * n_colls * p.chunk_overhead + (sympy.sympify(copy_bytes) + (n - 1) * add_bytes) / p.copy_bw
     if not events:
@@ -494,8 +549,7 @@ def site_stages(pattern: str, nbytes, flops, count: int = 1, rows=None, out_byte
     return [comm, gemm] if comm_first else [gemm, comm]
 
 
-def t_pipeline(comm_first: bool, g_flops, kind: str, nbytes, world: int, gemm: Gemm, p: Profile, n: int,
-               copy_bytes=0):
+def t_pipeline(comm_first: bool, g_flops, kind: str, nbytes, world: int, gemm: Gemm, p: Profile, n: int, copy_bytes=0):
     """Predicted time of an n-chunk two-stage pipeline (see :func:`t_stages`)."""
     comm, g = Stage("comm", kind, nbytes), Stage("compute", "gemm", g_flops)
     return t_stages([comm, g] if comm_first else [g, comm], world, gemm, p, n, copy_bytes)
@@ -507,8 +561,13 @@ def t_fused(c, g, p: Profile):
 
 
 # ------------------------------------------------------------------ per-site prediction
-KIND = {"all_gather_matmul": "all_gather", "matmul_reduce_scatter": "reduce_scatter",
-        "matmul_all_reduce": "all_reduce", "all_to_all_matmul": "all_to_all", "matmul_all_to_all": "all_to_all"}
+KIND = {
+    "all_gather_matmul": "all_gather",
+    "matmul_reduce_scatter": "reduce_scatter",
+    "matmul_all_reduce": "all_reduce",
+    "all_to_all_matmul": "all_to_all",
+    "matmul_all_to_all": "all_to_all",
+}
 COMM_FIRST = {"all_gather_matmul": True, "all_to_all_matmul": True}
 
 
@@ -516,7 +575,7 @@ COMM_FIRST = {"all_gather_matmul": True, "all_to_all_matmul": True}
 class Prediction:
     base: float
     best: float
-    strategy: str               # "decompose" or "skip"
+    strategy: str  # "decompose" or "skip"
     chunks: int | None
     comm: float
     gemm: float
@@ -534,29 +593,51 @@ class Prediction:
 
     def to_dict(self) -> dict:
         ms = lambda t: round(t * 1e3, 4)  # noqa: E731
-        return {"base_ms": ms(self.base), "best_ms": ms(self.best), "gain": round(self.gain, 4),
-                "comm_ms": ms(self.comm), "gemm_ms": ms(self.gemm), "strategy": self.strategy, "chunks": self.chunks,
-                "by_chunks_ms": {str(k): ms(v) for k, v in self.per_chunks.items()},
-                "stages": [st.to_dict() for st in self.stages], "extent": self.extent, "add_bytes": self.add_bytes}
+        return {
+            "base_ms": ms(self.base),
+            "best_ms": ms(self.best),
+            "gain": round(self.gain, 4),
+            "comm_ms": ms(self.comm),
+            "gemm_ms": ms(self.gemm),
+            "strategy": self.strategy,
+            "chunks": self.chunks,
+            "by_chunks_ms": {str(k): ms(v) for k, v in self.per_chunks.items()},
+            "stages": [st.to_dict() for st in self.stages],
+            "extent": self.extent,
+            "add_bytes": self.add_bytes,
+        }
 
 
-def predict(pattern: str, nbytes: int, flops: int, world: int, dtype: str, p: Profile, extent: int,
-            copy_bytes: int = 0, gemm_calls: int = 1, rows: int | None = None, out_bytes: int = 0) -> Prediction:
+def predict(
+    pattern: str,
+    nbytes: int,
+    flops: int,
+    world: int,
+    dtype: str,
+    p: Profile,
+    extent: int,
+    copy_bytes: int = 0,
+    gemm_calls: int = 1,
+    rows: int | None = None,
+    out_bytes: int = 0,
+) -> Prediction:
     """Baseline and best overlapped time of an AllGather -> mm, mm -> ReduceScatter or
     mm -> AllReduce site (numbers in, numbers out).
 
     ``copy_bytes``: what the decomposition copies besides the GEMMs and collectives
     (chunk outputs concatenated into the original layout, inputs regrouped by rank)."""
-    return predict_stages(site_stages(pattern, nbytes, flops, gemm_calls, rows, out_bytes), world, dtype, p, extent,
-                          copy_bytes)
+    return predict_stages(
+        site_stages(pattern, nbytes, flops, gemm_calls, rows, out_bytes), world, dtype, p, extent, copy_bytes
+    )
 
 
 _PREDICTIONS: dict[tuple, Prediction] = {}
 _PREDICTIONS_MAX = 4096
 
 
-def predict_stages(stages: list[Stage], world: int, dtype: str, p: Profile, extent: int | None, copy_bytes: int = 0,
-                   add_bytes: int = 0) -> Prediction:
+def predict_stages(
+    stages: list[Stage], world: int, dtype: str, p: Profile, extent: int | None, copy_bytes: int = 0, add_bytes: int = 0
+) -> Prediction:
     """Baseline (the stages one after another) and the best n-chunk pipeline, n = 2 .. 8
     (at most one chunk per row of ``extent``; None: rows counted at run time, chunks weighted
     1, 2, .., 2, 1 as the dropless op cuts them).
@@ -574,20 +655,24 @@ def predict_stages(stages: list[Stage], world: int, dtype: str, p: Profile, exte
     return replace(hit, per_chunks=dict(hit.per_chunks), stages=list(hit.stages))
 
 
-def _predict_stages(stages: list[Stage], world: int, dtype: str, p: Profile, extent: int | None, copy_bytes: int,
-                    add_bytes: int) -> Prediction:
+def _predict_stages(
+    stages: list[Stage], world: int, dtype: str, p: Profile, extent: int | None, copy_bytes: int, add_bytes: int
+) -> Prediction:
     gemm = p.gemm_for(dtype)
     whole = whole_times(stages, world, gemm, p)
     c = sum(t for st, t in zip(stages, whole) if st.lane == "comm")
     g = sum(t for st, t in zip(stages, whole) if st.lane == "compute")
     base = c + g
-    per = {n: float(t_stages(stages, world, gemm, p, n, copy_bytes, extent, add_bytes))
-           for n in range(2, (8 if extent is None else min(8, extent)) + 1)}
+    per = {
+        n: float(t_stages(stages, world, gemm, p, n, copy_bytes, extent, add_bytes))
+        for n in range(2, (8 if extent is None else min(8, extent)) + 1)
+    }
     best_n = min(per, key=lambda n: (per[n], n)) if per else None
     best, strategy, chunks = (per[best_n], "decompose", best_n) if per else (base, "skip", None)
     flops = sum(st.amount + st.after for st in stages if st.lane == "compute")
-    return Prediction(base, best, strategy, chunks, c, g, per, flops, dtype, copy_bytes, list(stages), extent,
-                      add_bytes)
+    return Prediction(
+        base, best, strategy, chunks, c, g, per, flops, dtype, copy_bytes, list(stages), extent, add_bytes
+    )
 
 
 def site_flops(matmul_vals: list[tuple]) -> int:
@@ -600,6 +685,7 @@ def site_flops(matmul_vals: list[tuple]) -> int:
 
 def _int(x) -> int:
     from .ops import hint
+
     v = hint(x)
     if v is None:
         raise OverlapError("symbolic sizes: the planner decides on numbers (a bucket's sizes)")
@@ -611,13 +697,16 @@ def ms(t: float) -> str:
 
 
 def describe_skip(pred: Prediction, p: Profile, where: str) -> str:
-    return (f"predicted gain {pred.gain:.1%} below the threshold {p.min_gain:.0%} of profile {p.name!r} "
-            f"at {where} (base {ms(pred.base)}: comm {ms(pred.comm)}, GEMM {ms(pred.gemm)}; "
-            f"best {pred.strategy}/{pred.chunks} {ms(pred.best)})")
+    return (
+        f"predicted gain {pred.gain:.1%} below the threshold {p.min_gain:.0%} of profile {p.name!r} "
+        f"at {where} (base {ms(pred.base)}: comm {ms(pred.comm)}, GEMM {ms(pred.gemm)}; "
+        f"best {pred.strategy}/{pred.chunks} {ms(pred.best)})"
+    )
 
 
-def site_events(pred: dict, world: int, p: Profile, strategy: str | None, chunks: int | None
-                ) -> tuple[list[tuple], list[tuple]]:
+def site_events(
+    pred: dict, world: int, p: Profile, strategy: str | None, chunks: int | None
+) -> tuple[list[tuple], list[tuple]]:
     """Timelines of one site, baseline and planned, from its ``details["predicted"]``: lists of
     (lane, label, start_s, dur_s), lanes "compute" and "comm", starting at 0 (for traces and
     pictures of a plan). The planned one is :func:`t_stages`' own flow, so it ends at the
@@ -635,6 +724,15 @@ def site_events(pred: dict, world: int, p: Profile, strategy: str | None, chunks
         return base, [("compute", "fused gemm", 0.0, f), ("comm", f"{kind} (fused)", 0.0, min(c, f))]
     if strategy != "decompose" or not chunks:
         return base, base
-    evs, _ = t_stages(stages, world, gemm, p, chunks, pred.get("copy_bytes", 0), pred.get("extent"),
-                      pred.get("add_bytes", 0), events=True)
+    evs, _ = t_stages(
+        stages,
+        world,
+        gemm,
+        p,
+        chunks,
+        pred.get("copy_bytes", 0),
+        pred.get("extent"),
+        pred.get("add_bytes", 0),
+        events=True,
+    )
     return base, [(lane, label, float(t0), float(d)) for lane, label, t0, d in evs]

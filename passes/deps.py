@@ -3,6 +3,7 @@
 Built once per graph and refreshed after each rewrite. Edges go from a node to its users;
 ``depends(a, b)`` asks whether ``a`` needs ``b`` to have run.
 """
+
 from __future__ import annotations
 
 import networkx as nx

@@ -22,6 +22,7 @@ all the rows, in the model's own dtype and order (no per-chunk partial sums). An
 else that reads the body's tensors is outside the pipeline and gets them whole, after it
 (activations the backward saves).
 """
+
 from __future__ import annotations
 
 import math
@@ -95,8 +96,12 @@ def find_pipeline(coll: Node, deps: DepGraph) -> Pipeline:
         for d in coll.graph.nodes:
             if d is coll:
                 break
-            if d.target is ops.ALL_TO_ALL and _same_splits(d.args[1], coll.args[2]) \
-                    and _same_splits(d.args[2], coll.args[1]) and d.args[3] == coll.args[3]:
+            if (
+                d.target is ops.ALL_TO_ALL
+                and _same_splits(d.args[1], coll.args[2])
+                and _same_splits(d.args[2], coll.args[1])
+                and d.args[3] == coll.args[3]
+            ):
                 try:
                     p = _analyse(d, deps)
                 except NotPipelined as e:
@@ -118,14 +123,21 @@ def _analyse(d: Node, deps: DepGraph) -> Pipeline:
     nodes = list(d.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     combine = None
-    for n in nodes[pos[w] + 1:]:
-        if n.target is ops.ALL_TO_ALL and _same_splits(n.args[1], in_s) and _same_splits(n.args[2], out_s) \
-                and n.args[3] == d.args[3] and isinstance(n.args[0], Node) and deps.depends(n.args[0], w):
+    for n in nodes[pos[w] + 1 :]:
+        if (
+            n.target is ops.ALL_TO_ALL
+            and _same_splits(n.args[1], in_s)
+            and _same_splits(n.args[2], out_s)
+            and n.args[3] == d.args[3]
+            and isinstance(n.args[0], Node)
+            and deps.depends(n.args[0], w)
+        ):
             combine = n
             break
     if combine is None:
-        raise NotPipelined("no all-to-all after it sends the rows back with the same splits swapped "
-                           "(a dispatch without its combine)")
+        raise NotPipelined(
+            "no all-to-all after it sends the rows back with the same splits swapped (a dispatch without its combine)"
+        )
     cw = ops.wait_of(combine)
     if cw is None:
         raise NotPipelined("the combining all-to-all is not completed by a single wait_tensor")
@@ -133,7 +145,7 @@ def _analyse(d: Node, deps: DepGraph) -> Pipeline:
     kinds: dict[Node, str] = {w: "row"}
     body: list[Node] = []
     refused: dict[Node, str] = {}
-    for n in nodes[pos[w] + 1: pos[combine]]:
+    for n in nodes[pos[w] + 1 : pos[combine]]:
         if not any(a in kinds for a in n.all_input_nodes):
             continue
         kind, why = _classify(n, kinds)
@@ -164,14 +176,16 @@ def _analyse(d: Node, deps: DepGraph) -> Pipeline:
                 raise NotPipelined(f"{a.name} is read both row by row and whole")
     for a in [*roles, *([offs] if offs is not None else [])]:
         if deps.depends(a, w):
-            raise NotPipelined(f"{a.name} feeds the body but is not computed row by row from the dispatched rows: "
-                               "no chunk could start before all of them have arrived")
+            raise NotPipelined(
+                f"{a.name} feeds the body but is not computed row by row from the dispatched rows: "
+                "no chunk could start before all of them have arrived"
+            )
 
     # Weight gradients that read the body's rows with an operand from outside it (the saved
     # activation, transposed), between the all-to-alls or after the combine: the pipeline's
     # tail (run whole under the last combine chunks instead of after the pipeline).
     tail_consts: list[Node] = []
-    for n in nodes[pos[w] + 1:]:
+    for n in nodes[pos[w] + 1 :]:
         if n in kinds or n is combine:
             continue
         outside = _tail_gemm(n, kinds, pos, pos[d])
@@ -193,10 +207,22 @@ def _analyse(d: Node, deps: DepGraph) -> Pipeline:
         if kinds[n] == "rowT":
             raise NotPipelined(f"the transpose {n.name} is read outside the body")
         (row_outputs if kinds[n] == "row" else reduced_outputs).append(n)
-    moved = [n for n in nodes[pos[w] + 1: pos[combine]] if n not in inside and deps.depends(n, w)]
-    return Pipeline(d, w, combine, cw, body, kinds, [a for a, r in roles.items() if r == "row"],
-                    [a for a, r in roles.items() if r == "const"], offs, row_outputs, reduced_outputs, moved,
-                    tail_consts)
+    moved = [n for n in nodes[pos[w] + 1 : pos[combine]] if n not in inside and deps.depends(n, w)]
+    return Pipeline(
+        d,
+        w,
+        combine,
+        cw,
+        body,
+        kinds,
+        [a for a, r in roles.items() if r == "row"],
+        [a for a, r in roles.items() if r == "const"],
+        offs,
+        row_outputs,
+        reduced_outputs,
+        moved,
+        tail_consts,
+    )
 
 
 def _tail_gemm(n: Node, kinds: dict, pos: dict, before: int) -> list[Node] | None:
@@ -206,8 +232,11 @@ def _tail_gemm(n: Node, kinds: dict, pos: dict, before: int) -> list[Node] | Non
     if n.op != "call_function" or n.target not in GEMMS:
         return None
     v = ops.val(n)
-    if v is None or not all(isinstance(x, int) for x in v.shape) or \
-            not any(kinds.get(a) in ("row", "rowT") for a in n.all_input_nodes):
+    if (
+        v is None
+        or not all(isinstance(x, int) for x in v.shape)
+        or not any(kinds.get(a) in ("row", "rowT") for a in n.all_input_nodes)
+    ):
         return None
     outside = [a for a in n.all_input_nodes if a not in kinds]
     return outside if all(pos[a] < before or _hoistable(a, pos, before) for a in outside) else None
@@ -388,10 +417,21 @@ def pipeline_stages(p: Pipeline):
     except NotPipelined:
         return None
     body_calls = len(matmuls) - late_calls
-    stages = [Stage("comm", "all_to_all", sent),
-              Stage("compute", "gemm", flops, max(body_calls, 1), per_call_rows, True, late, late_calls,
-                    round(late / late_fm) if late_fm else None),
-              Stage("comm", "all_to_all", returned)]
+    stages = [
+        Stage("comm", "all_to_all", sent),
+        Stage(
+            "compute",
+            "gemm",
+            flops,
+            max(body_calls, 1),
+            per_call_rows,
+            True,
+            late,
+            late_calls,
+            round(late / late_fm) if late_fm else None,
+        ),
+        Stage("comm", "all_to_all", returned),
+    ]
     return stages, copied, 0, ops.dtype_name(xs)
 
 
@@ -404,8 +444,13 @@ def can_pipeline(site, deps: DepGraph) -> str | None:
     p.dispatch.meta[PIPELINE] = p
     site.pipeline = p
     note_rows(p)
-    site.details["pipeline"] = {"dispatch": p.dispatch.name, "combine": p.combine.name, "body_ops": len(p.nodes),
-                                "row_inputs": len(p.row_inputs), "reduced_outputs": len(p.reduced_outputs)}
+    site.details["pipeline"] = {
+        "dispatch": p.dispatch.name,
+        "combine": p.combine.name,
+        "body_ops": len(p.nodes),
+        "row_inputs": len(p.row_inputs),
+        "reduced_outputs": len(p.reduced_outputs),
+    }
     return None
 
 
@@ -423,19 +468,36 @@ def rewrite(site, chunks: int, site_of) -> None:
             site.skip(f"{n.name} has a run-time size besides its rows: {list(v.shape)}")
             return False
         shapes.append((rows, tail, v.dtype))
-    runner = DroplessPipeline(body=_body(p), group_name=ops.group_name(p.dispatch), chunks=chunks,
-                              n_row_inputs=len(p.row_inputs), n_row_outputs=len(p.row_outputs),
-                              tail=_tail(p), tail_sources=_tail_sources(p)[1], n_tail_consts=len(p.tail_consts),
-                              site=site.name, out_shapes=shapes)
+    runner = DroplessPipeline(
+        body=_body(p),
+        group_name=ops.group_name(p.dispatch),
+        chunks=chunks,
+        n_row_inputs=len(p.row_inputs),
+        n_row_outputs=len(p.row_outputs),
+        tail=_tail(p),
+        tail_sources=_tail_sources(p)[1],
+        n_tail_consts=len(p.tail_consts),
+        site=site.name,
+        out_shapes=shapes,
+    )
     out_s, in_s = p.dispatch.args[1], p.dispatch.args[2]
     order = {n: i for i, n in enumerate(graph.nodes)}
     for a in p.tail_consts:  # transposes hoisted by _tail_gemm: made before the call that reads them
         if order[a] > order[p.combine]:
             p.combine.prepend(a)
     with graph.inserting_before(p.combine):
-        call = graph.call_function(torch.ops.overlapc.dropless_pipeline.default,
-                                   (register(runner), p.dispatch.args[0], list(in_s), list(out_s), p.offs,
-                                    list(p.row_inputs), [*p.consts, *p.tail_consts]))
+        call = graph.call_function(
+            torch.ops.overlapc.dropless_pipeline.default,
+            (
+                register(runner),
+                p.dispatch.args[0],
+                list(in_s),
+                list(out_s),
+                p.offs,
+                list(p.row_inputs),
+                [*p.consts, *p.tail_consts],
+            ),
+        )
         call.meta["val"] = [n.meta.get("val") for n in results]
         call.meta["overlapc"] = True
         for k in ("nn_module_stack", "stack_trace"):

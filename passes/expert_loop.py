@@ -27,6 +27,7 @@ autocast dtype's; the op's autocast rule casts as ``mm`` did, so the loop must s
 region with its ``cat`` (the grouped matmuls are placed before the ``cat``).
 Anything else leaves the loop alone, reported with the reason.
 """
+
 from __future__ import annotations
 
 import operator
@@ -50,12 +51,46 @@ _MATMULS_F = {operator.matmul, torch.matmul, torch.mm}
 _MATMULS_M = {"matmul", "mm", "__matmul__"}
 _LINEAR = {F.linear, torch._C._nn.linear}
 _POINTWISE_F = {
-    operator.mul, operator.add, operator.sub, operator.truediv, operator.neg,
-    torch.mul, torch.add, torch.sub, torch.div, torch.neg, torch.sigmoid, torch.tanh, torch.relu, torch.exp,
-    F.silu, F.gelu, F.relu, F.sigmoid, F.tanh,
+    operator.mul,
+    operator.add,
+    operator.sub,
+    operator.truediv,
+    operator.neg,
+    torch.mul,
+    torch.add,
+    torch.sub,
+    torch.div,
+    torch.neg,
+    torch.sigmoid,
+    torch.tanh,
+    torch.relu,
+    torch.exp,
+    F.silu,
+    F.gelu,
+    F.relu,
+    F.sigmoid,
+    F.tanh,
 }
-_POINTWISE_M = {"mul", "add", "sub", "div", "neg", "sigmoid", "tanh", "relu", "exp",
-                "float", "half", "bfloat16", "to", "type_as", "__mul__", "__add__", "__sub__", "__truediv__"}
+_POINTWISE_M = {
+    "mul",
+    "add",
+    "sub",
+    "div",
+    "neg",
+    "sigmoid",
+    "tanh",
+    "relu",
+    "exp",
+    "float",
+    "half",
+    "bfloat16",
+    "to",
+    "type_as",
+    "__mul__",
+    "__add__",
+    "__sub__",
+    "__truediv__",
+}
 
 
 class NotALoop(Exception):
@@ -92,8 +127,14 @@ def group_expert_loops(gm: GraphModule, options=None, graph_kind: str = "forward
             continue
         name = f"{graph_kind}:{ops.module_path(cat) or ''}:{PATTERN}"
         name += f"#{sum(s.name.startswith(name) for s in sites)}" if any(s.name == name for s in sites) else ""
-        site = Site(name=name, pattern=PATTERN, graph=graph_kind, status="skipped", collective=split.name,
-                    details={"groups": len(outs)})
+        site = Site(
+            name=name,
+            pattern=PATTERN,
+            graph=graph_kind,
+            status="skipped",
+            collective=split.name,
+            details={"groups": len(outs)},
+        )
         if options is not None and options.for_site(name)["strategy"] == "none":
             site.status = "found"
             sites.append(site)
@@ -130,15 +171,20 @@ def _rewrite(gm: GraphModule, split: Node, cat: Node, deps: DepGraph) -> list[st
     outs = list(_arg(cat, 0, "tensors"))
     g_count = len(outs)
     rows = split.args[0]
-    sizes = next((x for x in (_arg(split, 1, k) for k in ("split_size_or_sections", "split_size", "split_sizes"))
-                  if x is not None), None)
+    sizes = next(
+        (
+            x
+            for x in (_arg(split, 1, k) for k in ("split_size_or_sections", "split_size", "split_sizes"))
+            if x is not None
+        ),
+        None,
+    )
     dim = _arg(split, 2, "dim", 0)
     rv = _val(rows)
     if dim not in (0, -rv.dim() if rv is not None else 0) or rv is None or rv.dim() != 2:
         raise NotALoop(f"{split.name} does not cut a 2-D tensor along its rows")
     if not isinstance(sizes, (list, tuple)) or len(sizes) != g_count:
-        raise NotALoop(f"{split.name} cuts {rows.name} into other pieces than the {g_count} that "
-                       f"{cat.name} joins")
+        raise NotALoop(f"{split.name} cuts {rows.name} into other pieces than the {g_count} that {cat.name} joins")
     counts = _sizes_tensor(sizes)
     pieces: dict[Node, int] = {}
     for u in split.users:
@@ -168,8 +214,10 @@ def _rewrite(gm: GraphModule, split: Node, cat: Node, deps: DepGraph) -> list[st
             if v is None:
                 raise NotALoop(f"every group reads {first.name}, whose value the graph does not record")
             if isinstance(v, torch.Tensor) and v.dim() >= 2:
-                raise NotALoop(f"every group reads the same {v.dim()}-D tensor {first.name}; a shared "
-                               "tensor can only be a scalar or a vector broadcast along the rows")
+                raise NotALoop(
+                    f"every group reads the same {v.dim()}-D tensor {first.name}; a shared "
+                    "tensor can only be a scalar or a vector broadcast along the rows"
+                )
             template[nodes] = ("shared", first)
             return "shared"
         if all(x in pieces for x in nodes):
@@ -180,18 +228,25 @@ def _rewrite(gm: GraphModule, split: Node, cat: Node, deps: DepGraph) -> list[st
         inside = [x in under for x in nodes]
         if not any(inside):
             vals = [_val(x) for x in nodes]
-            if not all(isinstance(v, torch.Tensor) and v.dim() == 2 for v in vals) or \
-                    len({(tuple(v.shape), v.dtype) for v in vals}) != 1 or \
-                    not all(isinstance(s, int) for s in vals[0].shape):
+            if (
+                not all(isinstance(v, torch.Tensor) and v.dim() == 2 for v in vals)
+                or len({(tuple(v.shape), v.dtype) for v in vals}) != 1
+                or not all(isinstance(s, int) for s in vals[0].shape)
+            ):
                 raise NotALoop(f"the per-group operands {nodes[0].name}, ... are not 2-D tensors of one static shape")
             template[nodes] = ("stacked", _bank(nodes))
             order.append(nodes)
             return "stacked"
         if not all(inside):
-            raise NotALoop(f"{nodes[inside.index(False)].name} and {nodes[inside.index(True)].name} play one role "
-                           "in two groups, but only one is computed from the group's rows")
-        if len({(x.op, x.target) for x in nodes}) != 1 or len({len(x.args) for x in nodes}) != 1 or \
-                len({tuple(sorted(x.kwargs)) for x in nodes}) != 1:
+            raise NotALoop(
+                f"{nodes[inside.index(False)].name} and {nodes[inside.index(True)].name} play one role "
+                "in two groups, but only one is computed from the group's rows"
+            )
+        if (
+            len({(x.op, x.target) for x in nodes}) != 1
+            or len({len(x.args) for x in nodes}) != 1
+            or len({tuple(sorted(x.kwargs)) for x in nodes}) != 1
+        ):
             raise NotALoop(f"the groups' graphs differ at {first.name} ({first.target})")
         args = [match(tuple(x.args[i] for x in nodes)) for i in range(len(first.args))]
         kw = {k: match(tuple(x.kwargs[k] for x in nodes)) for k in first.kwargs}
@@ -205,8 +260,10 @@ def _rewrite(gm: GraphModule, split: Node, cat: Node, deps: DepGraph) -> list[st
                 raise NotALoop(f"{first.name}: a matmul that is not the group's rows by a per-group weight")
             dts = {getattr(_val(x), "dtype", None) for x in (first, *first.args)}
             if None in dts or len(dts) != 1 and regions.get(first) is None and not _ambient_autocast():
-                raise NotALoop(f"{first.name}: the matmul's result and operands have dtypes {sorted(map(str, dts))} "
-                               "outside an autocast region")
+                raise NotALoop(
+                    f"{first.name}: the matmul's result and operands have dtypes {sorted(map(str, dts))} "
+                    "outside an autocast region"
+                )
             template[nodes] = ("rows", "linear" if linear else "matmul")
             matmuls.append(first.name)
         elif _is(first, _POINTWISE_F, _POINTWISE_M):
@@ -227,8 +284,10 @@ def _rewrite(gm: GraphModule, split: Node, cat: Node, deps: DepGraph) -> list[st
         raise NotALoop("no matmul by a per-group weight between the split and the cat")
     per_group = {x for key, (kind, _) in template.items() if kind == "rows" for x in key if isinstance(x, Node)}
     if len({regions.get(x) for x in per_group | {cat}}) != 1:
-        raise NotALoop(f"the loop and {cat.name} are not in one autocast region (the grouped matmuls would run "
-                       "under another autocast state than the loop's)")
+        raise NotALoop(
+            f"the loop and {cat.name} are not in one autocast region (the grouped matmuls would run "
+            "under another autocast state than the loop's)"
+        )
     for x in per_group | set(pieces):
         for u in x.users:
             if u not in per_group and u is not cat:
@@ -286,7 +345,7 @@ def _autocast_regions(graph) -> dict[Node, Node]:
     for n in graph.nodes:
         if n.op == "call_function" and n.target is torch.amp.autocast_mode._exit_autocast:
             if n.args and n.args[0] in stack:
-                stack = stack[:stack.index(n.args[0])]
+                stack = stack[: stack.index(n.args[0])]
             continue
         if stack:
             regions[n] = stack[-1]
@@ -306,8 +365,12 @@ def _bank(nodes: tuple) -> tuple[Node, list[int]] | None:
     bank, e.g. a stacked parameter): the grouped matmul indexes it instead of stacking copies."""
     bank, index = None, []
     for x in nodes:
-        if not (x.op == "call_function" and x.target is operator.getitem and isinstance(x.args[0], Node)
-                and isinstance(x.args[1], int)):
+        if not (
+            x.op == "call_function"
+            and x.target is operator.getitem
+            and isinstance(x.args[0], Node)
+            and isinstance(x.args[1], int)
+        ):
             return None
         if bank is None:
             bank = x.args[0]
@@ -324,11 +387,18 @@ def _sizes_tensor(sizes) -> Node:
     """The 1-D tensor whose elements (``.tolist()``) the split sizes are."""
     src = None
     for i, s in enumerate(sizes):
-        if not (isinstance(s, Node) and _is(s, methods={"item"}) and isinstance(s.args[0], Node)
-                and s.args[0].op == "call_function" and s.args[0].target is operator.getitem
-                and s.args[0].args[1] == i):
-            raise NotALoop("the split sizes are not the elements of one tensor read at run time "
-                           "(.tolist()); a loop over sizes known at compile time is not grouped")
+        if not (
+            isinstance(s, Node)
+            and _is(s, methods={"item"})
+            and isinstance(s.args[0], Node)
+            and s.args[0].op == "call_function"
+            and s.args[0].target is operator.getitem
+            and s.args[0].args[1] == i
+        ):
+            raise NotALoop(
+                "the split sizes are not the elements of one tensor read at run time "
+                "(.tolist()); a loop over sizes known at compile time is not grouped"
+            )
         t = s.args[0].args[0]
         if src is None:
             src = t

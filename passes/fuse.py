@@ -23,6 +23,7 @@ take is reported and left alone: a consumer reached through a dtype cast or an `
 bias (of an all-gather: the other consumers are still fused), transposed
 outputs, ``avg`` reductions, groups whose backend has no symmetric memory here.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,13 +50,17 @@ def backend_support(site) -> str | None:
     """None when the site's group and device have a symmetric-memory backend here."""
     try:
         import torch.distributed as dist
+
         group = dist.distributed_c10d._resolve_process_group(site.group)
     except Exception as e:  # noqa: BLE001
         return f"process group {site.group!r} cannot be resolved: {e}"
     v = ops.val(site.coll.args[0])
     if v is not None and v.device.type != "cpu":
-        return symm.cuda_supported(group) if v.device.type == "cuda" else \
-            f"no symmetric-memory backend for {v.device.type} tensors"
+        return (
+            symm.cuda_supported(group)
+            if v.device.type == "cuda"
+            else f"no symmetric-memory backend for {v.device.type} tensors"
+        )
     return symm.cpu_supported(group)
 
 
@@ -80,12 +85,15 @@ def _fusable_ag_uses(site: AllGatherMatmulSite) -> tuple[list, list[str]]:
 def can_fuse(site, deps) -> str | None:
     """Why the site cannot be fused (None: it can)."""
     if not isinstance(site, FUSED_KINDS):
-        return (f"no fused kernel for {site.pattern} sites (fused: all_gather_matmul, "
-                "matmul_reduce_scatter); strategy 'decompose' rewrites it")
+        return (
+            f"no fused kernel for {site.pattern} sites (fused: all_gather_matmul, "
+            "matmul_reduce_scatter); strategy 'decompose' rewrites it"
+        )
     why = backend_support(site)
     if why:
         return f"no symmetric memory for this group: {why}"
     from overlapc.kernels import interpreter_problem  # imported when fusing: it sets TRITON_INTERPRET on a CPU
+
     why = interpreter_problem()
     if why:
         return f"the fused kernels cannot run here: {why}"
@@ -93,6 +101,7 @@ def can_fuse(site, deps) -> str | None:
         return "dynamic shapes: the fused ops are planned for static shapes (strategy 'decompose' chunks them)"
     if isinstance(site, AllGatherMatmulSite):
         from .all_gather_matmul import can_rewrite
+
         why = can_rewrite(site, deps)
         if why:
             return why
@@ -158,8 +167,9 @@ def _rewrite_ag(site: AllGatherMatmulSite, chunks: int, timeout: float) -> None:
     return_a = any(n not in fused_mms and not _only_feeds(n, fused_mms) for n in ops.data_users(site.gathered))
     b = Builder(graph, like=site.coll)
     with graph.inserting_before(mms[0]):
-        call = b.call(AG_OP, site.shard, [mm.args[1] for mm in mms], site.gather_dim, site.group,
-                      chunks, float(timeout), return_a)
+        call = b.call(
+            AG_OP, site.shard, [mm.args[1] for mm in mms], site.gather_dim, site.group, chunks, float(timeout), return_a
+        )
         outs = [b.reshape(b.getitem(call, 1 + i), ops.shape(mm)) for i, mm in enumerate(mms)]
         gathered = b.getitem(call, 0) if return_a else None
     for mm, out in zip(mms, outs):

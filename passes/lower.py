@@ -4,6 +4,7 @@ Each site kind registers how to check it (``can_rewrite``), how long the dim it 
 (``extent``) and how to rewrite it. A site whose nodes an earlier rewrite consumed (an
 AG -> mm -> RS chain shares its matmul) is re-checked and skipped with its reason.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -32,10 +33,10 @@ class Rule:
 
 RULES = {
     agm.AllGatherMatmulSite: Rule(agm.can_rewrite, agm.chunk_extent, agm.rewrite_all_gather_matmul),
-    mrs.MatmulReduceScatterSite: Rule(lambda s, deps: mrs.can_rewrite(s), mrs.chunk_extent,
-                                      mrs.rewrite_matmul_reduce_scatter),
-    mar.MatmulAllReduceSite: Rule(lambda s, deps: mar.can_rewrite(s), mar.chunk_extent,
-                                  mar.rewrite_matmul_all_reduce),
+    mrs.MatmulReduceScatterSite: Rule(
+        lambda s, deps: mrs.can_rewrite(s), mrs.chunk_extent, mrs.rewrite_matmul_reduce_scatter
+    ),
+    mar.MatmulAllReduceSite: Rule(lambda s, deps: mar.can_rewrite(s), mar.chunk_extent, mar.rewrite_matmul_all_reduce),
     **{kind: Rule(a2a.can_rewrite, a2a.chunk_extent, a2a.rewrite, a2a.auto_chunks) for kind in a2a.A2A_SITES},
 }
 

@@ -5,6 +5,7 @@ collectives that forms no site, the reason. Collectives no finder handles (coale
 broadcast, ...) are reported too. Site names are stable across ranks (graph order) and
 readable: ``"<graph>:<module>:<pattern>"``, with ``#2``, ``#3``... on repeats.
 """
+
 from __future__ import annotations
 
 from torch.fx import Graph
@@ -25,8 +26,7 @@ FINDERS = (
 )
 
 
-def find_sites(graph: Graph, graph_kind: str, deps: DepGraph | None = None
-               ) -> tuple[list[MatchedSite], list[Loose]]:
+def find_sites(graph: Graph, graph_kind: str, deps: DepGraph | None = None) -> tuple[list[MatchedSite], list[Loose]]:
     deps = deps or DepGraph(graph)
     sites: list[MatchedSite] = []
     loose: list[Loose] = []

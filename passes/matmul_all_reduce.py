@@ -9,6 +9,7 @@ Found::
 Any row block of the matmul output can be all-reduced on its own, so the rows of ``a``
 are what a rewrite chunks.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,14 +48,21 @@ def find_matmul_all_reduce_sites(graph: Graph, deps: DepGraph):
         except NoProducer as e:
             loose.append(Loose(node, str(e)))
             continue
-        site = MatmulAllReduceSite(coll=node, wait=wait, group=ops.group_name(node),
-                                   world=ops.world_size(node), reduce_op=ops.reduce_op(node), producer=prod)
+        site = MatmulAllReduceSite(
+            coll=node,
+            wait=wait,
+            group=ops.group_name(node),
+            world=ops.world_size(node),
+            reduce_op=ops.reduce_op(node),
+            producer=prod,
+        )
         site.details = {"producer": prod.form, "reduce_op": site.reduce_op}
         sites.append(site)
     return sites, loose
 
 
 # ----------------------------------------------------------------------------- rewrite
+
 
 def can_rewrite(site: MatmulAllReduceSite) -> str | None:
     why = can_chunk_rows(site.coll.args[0], site.producer)

@@ -10,6 +10,7 @@ Found::
 The matmul result must feed only the reduce-scatter: if it is used elsewhere, chunking it
 would leave the full GEMM in place beside the chunked one.
 """
+
 from __future__ import annotations
 
 import math
@@ -71,8 +72,16 @@ def find_matmul_reduce_scatter_sites(graph: Graph, deps: DepGraph):
             loose.append(Loose(node, str(e)))
             continue
         site = MatmulReduceScatterSite(
-            coll=node, wait=wait, group=ops.group_name(node), world=world, scattered=y,
-            scatter_dim=dim, idiom=idiom, reduce_op=ops.reduce_op(node), producer=prod)
+            coll=node,
+            wait=wait,
+            group=ops.group_name(node),
+            world=world,
+            scattered=y,
+            scatter_dim=dim,
+            idiom=idiom,
+            reduce_op=ops.reduce_op(node),
+            producer=prod,
+        )
         site.details = {"producer": prod.form, "roles": _roles(prod), "reduce_op": site.reduce_op}
         sites.append(site)
     return sites, loose
@@ -93,6 +102,7 @@ def _roles(prod: Producer) -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- rewrite
+
 
 def can_rewrite(site: MatmulReduceScatterSite) -> str | None:
     if site.reduce_op not in ("sum", "avg"):
@@ -139,7 +149,7 @@ def rewrite_matmul_reduce_scatter(site: MatmulReduceScatterSite, chunks: int) ->
     shape = static_shape(y)
     rank = len(shape)
     s, rows = shape[d] // world, chunk_extent(site)
-    out_shape = shape[:d] + [s] + shape[d + 1:]
+    out_shape = shape[:d] + [s] + shape[d + 1 :]
     b = Builder(graph, like=site.coll)
     waits = []
     rank_major: dict[Node, Node] = {}  # per matmul operand: (W, R, K), made once
@@ -147,7 +157,7 @@ def rewrite_matmul_reduce_scatter(site: MatmulReduceScatterSite, chunks: int) ->
     def by_rank(a: Node) -> Node:
         if a not in rank_major:
             k = static_shape(a)[-1]
-            v = b.view(a, [*shape[:d], world, s, *shape[d + 1:-1], k])
+            v = b.view(a, [*shape[:d], world, s, *shape[d + 1 : -1], k])
             if d > 0:
                 v = b.permute(v, movedim_perm(rank + 1, d, 0))
             rank_major[a] = b.reshape(v, [world, rows, k])
@@ -158,6 +168,7 @@ def rewrite_matmul_reduce_scatter(site: MatmulReduceScatterSite, chunks: int) ->
     with graph.inserting_before(site.coll):
         off = 0
         for c, n in enumerate(sizes):
+
             def plain(a, off=off, n=n):
                 return b.reshape(b.slice(by_rank(a), 1, off, off + n), [world * n, static_shape(a)[-1]])
 

@@ -19,6 +19,7 @@ keeps the order of compute it does not need to move, alternates the slices betwe
 collectives. Where the region ends (an op without a per-slice rule), a later collective
 starts another region.
 """
+
 from __future__ import annotations
 
 from torch.fx import Graph, Node
@@ -48,8 +49,9 @@ def _next_region(graph: Graph, passed: set[Node]):
     """The region of the first collective not in ``passed`` that starts one: (collective, its
     batch axis, region), or None. Collectives that start none are added to ``passed``."""
     while True:
-        coll = next((c for c in graph.nodes if c.target in KINDS and c not in passed
-                     and ops.wait_of(c) is not None), None)
+        coll = next(
+            (c for c in graph.nodes if c.target in KINDS and c not in passed and ops.wait_of(c) is not None), None
+        )
         if coll is None:
             return None
         a = start_axis(coll)
@@ -70,11 +72,19 @@ def split_microbatches(graph: Graph, n: int) -> list[dict]:
         if found is None:
             return done
         coll, a, region = found
-        info = {"collective": coll.name, "collective_op": ops.collective_name(coll), "module": ops.module_path(coll),
-                "group": ops.group_name(coll), "world_size": ops.world_size(coll), "batch": a.extent,
-                "slices": min(n, a.extent), "collectives": [c.name for c in region.collectives],
-                "matmuls": [m.name for m in region.matmuls], "rebuilt_whole": len(region.whole),
-                "sums_after_slices": len(region.deferred)}
+        info = {
+            "collective": coll.name,
+            "collective_op": ops.collective_name(coll),
+            "module": ops.module_path(coll),
+            "group": ops.group_name(coll),
+            "world_size": ops.world_size(coll),
+            "batch": a.extent,
+            "slices": min(n, a.extent),
+            "collectives": [c.name for c in region.collectives],
+            "matmuls": [m.name for m in region.matmuls],
+            "rebuilt_whole": len(region.whole),
+            "sums_after_slices": len(region.deferred),
+        }
         try:
             created = _rewrite(graph, coll, region, info["slices"])
             passed |= created
@@ -120,9 +130,12 @@ def choose_slices(graph: Graph, graph_kind: str, options, profile=None) -> tuple
         got = region_stages(region)
         world = ops.world_size(coll)
         if got is None or not world:
-            return 1, {"collectives": names, "reason": f"microbatches='auto': not cut: the cost model cannot price "
-                       f"the region of {coll.name} (symbolic sizes, or collectives of two kinds at one level); "
-                       "set microbatches to a number to cut it"}
+            return 1, {
+                "collectives": names,
+                "reason": f"microbatches='auto': not cut: the cost model cannot price "
+                f"the region of {coll.name} (symbolic sizes, or collectives of two kinds at one level); "
+                "set microbatches to a number to cut it",
+            }
         stages, copy_bytes, add_bytes, dtype = got
         preds.append(cost.predict_stages(stages, world, dtype, profile, a.extent, copy_bytes, add_bytes))
     counts = set.intersection(*(set(p.per_chunks) for p in preds)) & set(range(2, MAX_AUTO_SLICES + 1))
@@ -130,16 +143,24 @@ def choose_slices(graph: Graph, graph_kind: str, options, profile=None) -> tuple
     n = pick_count({c: sum(p.per_chunks[c] for p in preds) for c in counts})
     sliced = sum(p.per_chunks[n] for p in preds)
     rows_saving = _row_chunk_saving(graph, graph_kind, options, in_regions, profile)
-    view = {"profile": profile.name, "slices": n, "regions": len(regions), "base_ms": round(base * 1e3, 4),
-            "sliced_ms": round(sliced * 1e3, 4), "row_chunks_saving_ms": round(rows_saving * 1e3, 4),
-            "collectives": names}
+    view = {
+        "profile": profile.name,
+        "slices": n,
+        "regions": len(regions),
+        "base_ms": round(base * 1e3, 4),
+        "sliced_ms": round(sliced * 1e3, 4),
+        "row_chunks_saving_ms": round(rows_saving * 1e3, 4),
+        "collectives": names,
+    }
     saving = base - sliced
     if saving > rows_saving and base and saving / base >= profile.min_gain:
         return n, view
-    view["reason"] = (f"microbatches='auto': {n} slices predicted to save {cost.ms(saving)} of "
-                      f"{cost.ms(base)} ({len(regions)} region(s)), row-chunked sites {cost.ms(rows_saving)}; "
-                      f"not cut (slices must save more, and at least {profile.min_gain:.0%}, profile "
-                      f"{profile.name!r})")
+    view["reason"] = (
+        f"microbatches='auto': {n} slices predicted to save {cost.ms(saving)} of "
+        f"{cost.ms(base)} ({len(regions)} region(s)), row-chunked sites {cost.ms(rows_saving)}; "
+        f"not cut (slices must save more, and at least {profile.min_gain:.0%}, profile "
+        f"{profile.name!r})"
+    )
     return 1, view
 
 
@@ -177,20 +198,44 @@ def report_rows(cuts: list[dict], graph_kind: str, n: int, view: dict | None = N
     from overlapc.report import Site
 
     if not cuts:
-        return [Site(name=f"{graph_kind}::microbatch", pattern="microbatch", graph=graph_kind, status="skipped",
-                     reason=f"microbatches={n}: no all-gather or reduce-scatter whose batch (dim 0 of one rank's "
-                            "block, size >= 2) reaches a matmul through ops that keep batch slices apart")]
+        return [
+            Site(
+                name=f"{graph_kind}::microbatch",
+                pattern="microbatch",
+                graph=graph_kind,
+                status="skipped",
+                reason=f"microbatches={n}: no all-gather or reduce-scatter whose batch (dim 0 of one rank's "
+                "block, size >= 2) reaches a matmul through ops that keep batch slices apart",
+            )
+        ]
     rows = []
     for i, c in enumerate(cuts):
         ok = "failed" not in c
-        rows.append(Site(
-            name=f"{graph_kind}:{c['module'] or ''}:microbatch" + (f"#{i}" if i else ""), pattern="microbatch",
-            graph=graph_kind, status="rewritten" if ok else "skipped", reason=c.get("failed"),
-            strategy="microbatch" if ok else None, chunks=c["slices"] if ok else None, group=c["group"],
-            world_size=c["world_size"], collective=c["collective"], collective_op=c["collective_op"],
-            module=c["module"], matmuls=c["matmuls"], dim=0,
-            details={"batch": c["batch"], "collectives": c["collectives"], "rebuilt_whole": c["rebuilt_whole"],
-                     "sums_after_slices": c["sums_after_slices"], **({"predicted": view} if view and i == 0 else {})}))
+        rows.append(
+            Site(
+                name=f"{graph_kind}:{c['module'] or ''}:microbatch" + (f"#{i}" if i else ""),
+                pattern="microbatch",
+                graph=graph_kind,
+                status="rewritten" if ok else "skipped",
+                reason=c.get("failed"),
+                strategy="microbatch" if ok else None,
+                chunks=c["slices"] if ok else None,
+                group=c["group"],
+                world_size=c["world_size"],
+                collective=c["collective"],
+                collective_op=c["collective_op"],
+                module=c["module"],
+                matmuls=c["matmuls"],
+                dim=0,
+                details={
+                    "batch": c["batch"],
+                    "collectives": c["collectives"],
+                    "rebuilt_whole": c["rebuilt_whole"],
+                    "sums_after_slices": c["sums_after_slices"],
+                    **({"predicted": view} if view and i == 0 else {}),
+                },
+            )
+        )
     return rows
 
 
@@ -206,7 +251,7 @@ def _rewrite(graph: Graph, coll: Node, region: ax.Region, n: int) -> set[Node]:
     marks: list = []
     with graph.inserting_before(coll):
         pieces = ax.substitute(b, region, sizes, marks)
-    _level_major(b.created[:marks[-1][2]] if marks else [], marks, level, coll)
+    _level_major(b.created[: marks[-1][2]] if marks else [], marks, level, coll)
     new = set(b.created)
     retire_region(graph, region, anchors, pieces[-1])
     return {x for x in new if not _erased(x)}

@@ -20,6 +20,7 @@ Two parts:
   scattered) dim, so a matcher can tell whether the collective dim lands on the matmul's
   rows, columns or contraction dim.
 """
+
 from __future__ import annotations
 
 import operator
@@ -62,6 +63,7 @@ def erase_collective(coll: Node, wait: Node) -> None:
 
 
 # ----------------------------------------------------------------------------- dim tracking
+
 
 def _reshape_groups(src: list, dst: list):
     """Pair up runs of src dims and dst dims whose sizes multiply to the same number."""
@@ -132,6 +134,7 @@ def map_dims(node: Node, dims: Dims | None) -> Dims | None:
 
 # ----------------------------------------------------------------------------- idioms
 
+
 def _rank_pieces(parts: list, world: int) -> tuple[Node, int, set[Node]] | None:
     """Are ``parts`` the ``world`` equal, in-order pieces of one tensor y along one dim?
 
@@ -173,8 +176,11 @@ def split_cat_gather(wait: Node, world: int) -> tuple[Node, int] | None:
     """wait -> W in-order pieces along dim 0 -> cat(pieces, dim d): returns (cat, d)."""
     users = ops.data_users(wait)
     # pieces are getitems of a split of the wait, or slices of it
-    pieces = [u for f in users for u in (ops.data_users(f) if f.target in (ops.aten.split.Tensor,
-              ops.aten.split_with_sizes.default) else [f])]
+    pieces = [
+        u
+        for f in users
+        for u in (ops.data_users(f) if f.target in (ops.aten.split.Tensor, ops.aten.split_with_sizes.default) else [f])
+    ]
     cats = {u for p in pieces for u in ops.data_users(p)}
     if len(cats) != 1:
         return None
@@ -201,9 +207,11 @@ def split_cat_scatter(inp: Node, world: int) -> tuple[Node, int, set[Node]] | No
 
 # ----------------------------------------------------------------------------- walkers
 
+
 @dataclass
 class Use:
     """A matmul operand reached from a source value through layout ops only."""
+
     matmul: Node
     arg: int
     """Index of the operand in matmul.args."""
@@ -240,13 +248,18 @@ def operand_role(matmul: Node, side: str, dims: Dims | None) -> str:
     return "contraction" if d == 0 else "cols"
 
 
-INDEXING = {ops.aten.select.int, ops.aten.slice.Tensor, ops.aten.narrow.default,
-            ops.aten.split.Tensor, ops.aten.split_with_sizes.default, ops.aten.unbind.int,
-            operator.getitem}
+INDEXING = {
+    ops.aten.select.int,
+    ops.aten.slice.Tensor,
+    ops.aten.narrow.default,
+    ops.aten.split.Tensor,
+    ops.aten.split_with_sizes.default,
+    ops.aten.unbind.int,
+    operator.getitem,
+}
 
 
-def matmul_uses(src: Node, dims: Dims | None, *, through_indexing: bool = False
-                ) -> tuple[list[Use], list[Node]]:
+def matmul_uses(src: Node, dims: Dims | None, *, through_indexing: bool = False) -> tuple[list[Use], list[Node]]:
     """Matmul operands reachable from ``src`` through layout ops, and the other users met.
 
     With ``through_indexing``, also through select/slice/split/unbind (per-expert loops
@@ -267,8 +280,7 @@ def matmul_uses(src: Node, dims: Dims | None, *, through_indexing: bool = False
                     others.append(user)
             elif ops.is_layout(user) and user.args[0] is node:
                 walk(user, map_dims(user, dims), path + [user])
-            elif through_indexing and user.op == "call_function" and user.target in INDEXING \
-                    and user.args[0] is node:
+            elif through_indexing and user.op == "call_function" and user.target in INDEXING and user.args[0] is node:
                 walk(user, None, path + [user])
             else:
                 others.append(user)
@@ -280,6 +292,7 @@ def matmul_uses(src: Node, dims: Dims | None, *, through_indexing: bool = False
 @dataclass
 class Producer:
     """The matmuls whose results, through layout ops and adds, form a collective's input."""
+
     matmuls: list[Node]
     dims: list[Dims | None]
     """Per matmul: dims of its output that hold the collective's dim."""
@@ -291,8 +304,13 @@ class Producer:
 
 
 # Nodes a matmul producer may pass through besides layout ops (see matmul_producer).
-PRODUCER_GLUE = {ops.ADD, ops.aten.cat.default, ops.aten.stack.default,
-                 ops.aten.select_backward.default, ops.aten.slice_backward.default}
+PRODUCER_GLUE = {
+    ops.ADD,
+    ops.aten.cat.default,
+    ops.aten.stack.default,
+    ops.aten.select_backward.default,
+    ops.aten.slice_backward.default,
+}
 
 
 class NoProducer(Exception):
@@ -346,14 +364,21 @@ def matmul_producer(x: Node, dims: Dims | None, consumers: set[Node]) -> Produce
             path.append(node)
             up(node.args[0], _inverse_map(node, dims), False)
             return
-        if node.target is ops.ADD and node.kwargs.get("alpha", 1) == 1 \
-                and sum(isinstance(a, Node) for a in node.args[:2]) == 1:
+        if (
+            node.target is ops.ADD
+            and node.kwargs.get("alpha", 1) == 1
+            and sum(isinstance(a, Node) for a in node.args[:2]) == 1
+        ):
             # x + c (Python's sum() starts with 0 + first): acts on every row alike.
             path.append(node)
             up(next(a for a in node.args[:2] if isinstance(a, Node)), dims, False)
             return
-        if node.target is ops.ADD and all(isinstance(a, Node) for a in node.args[:2]) \
-                and node.kwargs.get("alpha", 1) == 1 and ops.shape(node.args[0]) == ops.shape(node.args[1]):
+        if (
+            node.target is ops.ADD
+            and all(isinstance(a, Node) for a in node.args[:2])
+            and node.kwargs.get("alpha", 1) == 1
+            and ops.shape(node.args[0]) == ops.shape(node.args[1])
+        ):
             path.append(node)
             forms.add("sum")
             up(node.args[0], dims, False)
@@ -371,8 +396,7 @@ def matmul_producer(x: Node, dims: Dims | None, consumers: set[Node]) -> Produce
             forms.add("concat")
             for part in node.args[0]:
                 # Stacking adds a dim; concatenation keeps rank. Track conservatively.
-                up(part, None if node.target is ops.aten.stack.default or (dims and cat_dim in dims) else dims,
-                   False)
+                up(part, None if node.target is ops.aten.stack.default or (dims and cat_dim in dims) else dims, False)
             return
         raise NoProducer(f"producer is {node.target.__name__} ({node.name}), not a plain sum of matmuls")
 

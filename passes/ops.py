@@ -1,4 +1,5 @@
 """The ATen and functional-collective ops the passes recognise, in one place."""
+
 from __future__ import annotations
 
 import re
@@ -25,8 +26,12 @@ MATCHED_COLLECTIVES = {
     ALL_REDUCE: "all_reduce",
     ALL_TO_ALL: "all_to_all_single",
 }
-COST_KIND = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce",
-             ALL_TO_ALL: "all_to_all"}
+COST_KIND = {
+    ALL_GATHER: "all_gather",
+    REDUCE_SCATTER: "reduce_scatter",
+    ALL_REDUCE: "all_reduce",
+    ALL_TO_ALL: "all_to_all",
+}
 """The collective kinds of the cost model (passes/cost.t_comm)."""
 
 # matmul op -> (lhs arg index, rhs arg index)
@@ -48,13 +53,23 @@ run-time offsets, so only dropless pipelines take it (passes/axis.py chunks none
 # Ops that only change how a tensor's elements are laid out or typed: matching sees through
 # them. Each takes the tensor as its first argument.
 RESHAPES = {
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default,
-    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.unsqueeze.default,
     aten.flatten.using_ints,
 }
 PERMUTES = {aten.t.default, aten.transpose.int, aten.permute.default}
-IDENTITIES = {aten.clone.default, aten.alias.default, aten._to_copy.default,
-              prims.convert_element_type.default, aten.contiguous.default}
+IDENTITIES = {
+    aten.clone.default,
+    aten.alias.default,
+    aten._to_copy.default,
+    prims.convert_element_type.default,
+    aten.contiguous.default,
+}
 LAYOUT_OPS = RESHAPES | PERMUTES | IDENTITIES
 
 
@@ -64,13 +79,18 @@ def is_pointwise(node: Node) -> bool:
     tags = getattr(node.target, "tags", ())
     return node.op == "call_function" and (torch.Tag.pointwise in tags or node.target in IDENTITIES)
 
+
 ADD = aten.add.Tensor
 
 
 def is_collective(node: Node) -> bool:
     """Any functional collective (matched or not), excluding waits."""
-    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-            and node.target.namespace == "_c10d_functional" and node.target is not WAIT)
+    return (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and node.target.namespace == "_c10d_functional"
+        and node.target is not WAIT
+    )
 
 
 def collective_name(node: Node) -> str:
@@ -90,8 +110,12 @@ def is_impure(node: Node) -> bool:
     whose probability is 0 (attention kernels): they draw no random numbers then, so they
     may be removed when dead and reordered like any pure op."""
     t = node.target
-    if (node.op == "call_function" and isinstance(t, torch._ops.OpOverload)
-            and any(a.name == "dropout_p" for a in t._schema.arguments) and arg(node, "dropout_p", 0.0) == 0.0):
+    if (
+        node.op == "call_function"
+        and isinstance(t, torch._ops.OpOverload)
+        and any(a.name == "dropout_p" for a in t._schema.arguments)
+        and arg(node, "dropout_p", 0.0) == 0.0
+    ):
         try:
             return node.is_impure(impure_random=False)
         except TypeError:  # a torch without the switch
@@ -133,8 +157,11 @@ def is_full_slice(node: Node) -> bool:
     if src is None or not isinstance(d, int):
         return False
     size = src[d]
-    return (start in (None, 0) and (end is None or (isinstance(end, int) and isinstance(size, int) and end >= size))
-            and step in (None, 1))
+    return (
+        start in (None, 0)
+        and (end is None or (isinstance(end, int) and isinstance(size, int) and end >= size))
+        and step in (None, 1)
+    )
 
 
 def is_layout(node: Node) -> bool:
@@ -171,8 +198,7 @@ def shape(node) -> list | None:
     return list(v.shape) if v is not None else None
 
 
-META_QUERIES = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
-                aten.sym_storage_offset.default}
+META_QUERIES = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default}
 
 
 def data_users(node: Node) -> list[Node]:
@@ -220,6 +246,7 @@ def world_size(coll: Node) -> int | None:
         return None
     try:
         from torch.distributed.distributed_c10d import _resolve_process_group
+
         return _resolve_process_group(name).size()
     except Exception:
         return None
@@ -231,6 +258,7 @@ def group_backend(name: str | None) -> str | None:
         return None
     try:
         from torch.distributed.distributed_c10d import _resolve_process_group
+
         pg = _resolve_process_group(name)
         return pg._get_backend_name() if hasattr(pg, "_get_backend_name") else str(pg.name())
     except Exception:
@@ -253,6 +281,7 @@ def group_comm_threads(name: str | None) -> int | None:
         return 1
     try:
         from torch.distributed.distributed_c10d import _resolve_process_group
+
         return int(_resolve_process_group(name)._get_backend(torch.device("cpu")).options._threads)
     except Exception:
         return GLOO_DEFAULT_THREADS
@@ -309,6 +338,7 @@ def shape_bucket(representatives: dict):
     comparison they make becomes a guard of the bucket's shape environment, which the
     dispatcher checks on each call."""
     import sympy
+
     token = _BUCKET.set({k: sympy.Integer(v) for k, v in representatives.items()})
     try:
         yield

@@ -38,6 +38,7 @@ profiles price none (the kernels run in Triton's interpreter, for correctness, f
 than BLAS), so auto fuses only under a profile that prices them, run where the group has
 symmetric memory (a GPU profile planned on a machine without CUDA says why not).
 """
+
 from __future__ import annotations
 
 from overlapc.errors import OverlapError
@@ -74,6 +75,7 @@ def predict_site(site: MatchedSite, profile: cost.Profile, extent: int) -> cost.
         return None
     if site.pattern == "all_gather_matmul":
         from .all_gather_matmul import row_uses
+
         mms = [u.matmul for u in row_uses(site)]
     else:
         mms = site.matmuls
@@ -99,8 +101,19 @@ def predict_site(site: MatchedSite, profile: cost.Profile, extent: int) -> cost.
             copied += sum(_nbytes(a) for a, _ in pairs)
     ms = [ops.hint(out.shape[-2]) for _, out in pairs]  # M of the GEMM calls the chunks cut
     rows = None if None in ms else min(ms)
-    return cost.predict(site.pattern, nbytes, flops, site.world, dtype, profile, extent, copy_bytes=copied,
-                        gemm_calls=len(pairs), rows=rows, out_bytes=sum(_nbytes(out) for _, out in pairs))
+    return cost.predict(
+        site.pattern,
+        nbytes,
+        flops,
+        site.world,
+        dtype,
+        profile,
+        extent,
+        copy_bytes=copied,
+        gemm_calls=len(pairs),
+        rows=rows,
+        out_bytes=sum(_nbytes(out) for _, out in pairs),
+    )
 
 
 def predict_region(site, profile: cost.Profile, left_out=frozenset(), chunks="auto") -> cost.Prediction | None:
@@ -210,8 +223,12 @@ def _agree_on_chunks(sites: list[MatchedSite], options: Options, profile) -> Non
 
 
 def _plan_each(sites: list[MatchedSite], options: Options, deps: DepGraph, profile) -> None:
-    left_out = frozenset(s.coll for s in sites if options.for_site(s.name)["strategy"] == "none" or (
-        options.min_bytes and s.comm_bytes() is not None and s.comm_bytes() < options.min_bytes))
+    left_out = frozenset(
+        s.coll
+        for s in sites
+        if options.for_site(s.name)["strategy"] == "none"
+        or (options.min_bytes and s.comm_bytes() is not None and s.comm_bytes() < options.min_bytes)
+    )
     planned_pipelines: dict = {}  # dropless dispatch -> the site of its pair planned first
     for site in sites:
         per_site = options.for_site(site.name)
@@ -247,8 +264,11 @@ def _plan_each(sites: list[MatchedSite], options: Options, deps: DepGraph, profi
             pred = predict_site(site, profile, rows)
         elif isinstance(site, all_to_all.A2A_SITES) and site.pipeline is None and site.region is not None:
             reacher = site.coll.meta.get(all_to_all.REACHED)
-            if reacher is not None and reacher is not site and (
-                    reacher.status == "planned" or (reacher.details.get("predicted") and strategy == "auto")):
+            if (
+                reacher is not None
+                and reacher is not site
+                and (reacher.status == "planned" or (reacher.details.get("predicted") and strategy == "auto"))
+            ):
                 # Part of an earlier site's region: predicted (and counted) there, chunked with it.
                 site.details["modelled_with"] = reacher.name
                 if reacher.status == "planned":
@@ -271,28 +291,42 @@ def _plan_each(sites: list[MatchedSite], options: Options, deps: DepGraph, profi
                 continue
             other = site.pipeline.combine if site.coll is site.pipeline.dispatch else site.pipeline.dispatch
             if other in left_out:  # one op runs both all-to-alls or neither
-                site.reason = f"its pipeline's other all-to-all, {other.name}, is left alone (strategy 'none' or min_bytes)"
+                site.reason = (
+                    f"its pipeline's other all-to-all, {other.name}, is left alone (strategy 'none' or min_bytes)"
+                )
                 continue
             pred = predict_pipeline(site, profile)
         else:
             pred = None
         if pred is not None:
             kind = ops.COST_KIND.get(site.coll.target)
-            site.details["predicted"] = {"profile": profile.name, "numbers": profile.numbers_from(kind, site.world),
-                                         **pred.to_dict(), "bytes": nbytes,
-                                         "flops": pred.flops, "dtype": pred.dtype, "copy_bytes": pred.copy_bytes}
+            site.details["predicted"] = {
+                "profile": profile.name,
+                "numbers": profile.numbers_from(kind, site.world),
+                **pred.to_dict(),
+                "bytes": nbytes,
+                "flops": pred.flops,
+                "dtype": pred.dtype,
+                "copy_bytes": pred.copy_bytes,
+            }
             if strategy == "auto" and _fuse_pays(site, pred, profile, deps):
                 _plan_fused(site, chunks, options)
                 p = site.details["predicted"]
-                p.update(strategy="fuse", chunks=site.chunks, best_ms=p["fused_ms"],
-                         gain=round((p["base_ms"] - p["fused_ms"]) / p["base_ms"], 4))
+                p.update(
+                    strategy="fuse",
+                    chunks=site.chunks,
+                    best_ms=p["fused_ms"],
+                    gain=round((p["base_ms"] - p["fused_ms"]) / p["base_ms"], 4),
+                )
                 continue
             if strategy == "auto" and pred.gain < profile.min_gain:
                 site.reason = cost.describe_skip(pred, profile, _where(site))
                 continue
         elif strategy == "auto" and nbytes is not None and nbytes < AUTO_MIN_BYTES:
-            site.reason = (f"collective moves {nbytes / 1024:.0f} KiB per rank: below {AUTO_MIN_BYTES >> 10} KiB "
-                           "the latency of extra collectives outweighs the overlap (strategy='decompose' forces it)")
+            site.reason = (
+                f"collective moves {nbytes / 1024:.0f} KiB per rank: below {AUTO_MIN_BYTES >> 10} KiB "
+                "the latency of extra collectives outweighs the overlap (strategy='decompose' forces it)"
+            )
             continue
         if chunks != "auto":
             n = chunks
@@ -332,8 +366,10 @@ def _fuse_pays(site: MatchedSite, pred: cost.Prediction, profile: cost.Profile, 
         return False
     why = fuse.can_fuse(site, deps)
     if why is None and profile.device not in FUSED_VERIFIED_ON:
-        why = (f"strategy 'auto' does not fuse on {profile.device}: the fused kernels have not passed the "
-               "checks between devices of that kind yet (strategy='fuse' asks for them)")
+        why = (
+            f"strategy 'auto' does not fuse on {profile.device}: the fused kernels have not passed the "
+            "checks between devices of that kind yet (strategy='fuse' asks for them)"
+        )
         here = symm.cuda_supported(None) if profile.device == "cuda" else None  # a GPU plan traced here
         if here:
             why += f"; and here: {here}"
@@ -346,16 +382,20 @@ def _fuse_pays(site: MatchedSite, pred: cost.Prediction, profile: cost.Profile, 
 def _where(site: MatchedSite) -> str:
     region = getattr(site, "region", None)
     if region is not None:
-        return (f"a region of {len(region.collectives)} all-to-alls and {len(region.matmuls)} GEMMs chunked along "
-                f"{region.axis.extent} slabs, {site.comm_bytes()} B per rank")
+        return (
+            f"a region of {len(region.collectives)} all-to-alls and {len(region.matmuls)} GEMMs chunked along "
+            f"{region.axis.extent} slabs, {site.comm_bytes()} B per rank"
+        )
     pipeline = getattr(site, "pipeline", None)
     if pipeline is not None:
         rows = dropless.rows_at_balance(ops.val(pipeline.dispatch.args[0]).shape[0])
         nbytes = site.comm_bytes()
         if nbytes is None:  # the backward's: rows from the forward's number
             nbytes = dropless.sent_bytes(pipeline)
-        return (f"a dropless pipeline of {len(dropless.pipeline_matmuls(pipeline))} GEMMs, {rows} rows sent per "
-                f"rank (priced at balanced routing), {nbytes} B per rank")
+        return (
+            f"a dropless pipeline of {len(dropless.pipeline_matmuls(pipeline))} GEMMs, {rows} rows sent per "
+            f"rank (priced at balanced routing), {nbytes} B per rank"
+        )
     mm = site.matmuls[0] if site.matmuls else None
     v = ops.val(mm) if mm is not None else None
     if v is not None and v.dim() >= 2:

@@ -10,6 +10,7 @@ same order per row::
     y = view(mm(a1, w1), s) + view(mm(a2, w2), s)
     rows(y, r) = mm(a1[r], w1) + mm(a2[r], w2)           # (len(r), N)
 """
+
 from __future__ import annotations
 
 import math
@@ -139,8 +140,7 @@ def chained_rows(b: Builder, root: Node, layout: tuple, c: int, plain: Callable[
                     reach[n] = bool(src) and src[-1] == shape[-1] and reaches(n.args[0])
                 elif ops.is_pointwise(n):
                     tensors = [a for a in (*n.args, *n.kwargs.values()) if isinstance(a, Node)]
-                    reach[n] = (all(static_shape(a) == shape for a in tensors)
-                                and any(reaches(a) for a in tensors))
+                    reach[n] = all(static_shape(a) == shape for a in tensors) and any(reaches(a) for a in tensors)
         return reach[n]
 
     memo: dict[Node, Node] = {}
@@ -155,8 +155,7 @@ def chained_rows(b: Builder, root: Node, layout: tuple, c: int, plain: Callable[
             out = ev(n.args[0])
         else:
             args = [(ev(a) if reaches(a) else plain(a)) if isinstance(a, Node) else a for a in n.args]
-            kwargs = {k: (ev(v) if reaches(v) else plain(v)) if isinstance(v, Node) else v
-                      for k, v in n.kwargs.items()}
+            kwargs = {k: (ev(v) if reaches(v) else plain(v)) if isinstance(v, Node) else v for k, v in n.kwargs.items()}
             out = b.call(n.target, *args, **kwargs)
         memo[n] = out
         return out

@@ -18,6 +18,7 @@ Nodes with side effects (in-place updates of inputs, RNG state) are barriers: no
 moves across them. Placeholders stay first and the output last. The result is a
 topological order of the same nodes, so the same on every rank.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -28,9 +29,15 @@ from torch.fx import Graph, Node
 
 from . import ops
 
-CHEAP = ops.LAYOUT_OPS | {ops.aten.slice.Tensor, ops.aten.select.int, ops.aten.narrow.default,
-                          ops.aten.split.Tensor, ops.aten.split_with_sizes.default, operator.getitem,
-                          ops.aten.expand.default}
+CHEAP = ops.LAYOUT_OPS | {
+    ops.aten.slice.Tensor,
+    ops.aten.select.int,
+    ops.aten.narrow.default,
+    ops.aten.split.Tensor,
+    ops.aten.split_with_sizes.default,
+    operator.getitem,
+    ops.aten.expand.default,
+}
 
 
 def _is_barrier(node: Node) -> bool:
@@ -192,8 +199,12 @@ SERIAL_OPS = (ops.ALL_GATHER,)
 # group cannot be made through init_process_group). So on multi-threaded gloo groups a
 # collective is issued only after every collective of the last run of another family was
 # waited on.
-GLOO_FAMILY = {ops.ALL_GATHER: "allgather", ops.REDUCE_SCATTER: "allreduce", ops.ALL_REDUCE: "allreduce",
-               ops.ALL_TO_ALL: "alltoall"}
+GLOO_FAMILY = {
+    ops.ALL_GATHER: "allgather",
+    ops.REDUCE_SCATTER: "allreduce",
+    ops.ALL_REDUCE: "allreduce",
+    ops.ALL_TO_ALL: "alltoall",
+}
 ISSUE_AFTER = "overlapc_issue_after"
 """node.meta key: names of the nodes this one must not be scheduled before (scheduling
 edges): the previous wait of a serialized all-gather, the waits of the other family's

@@ -1,4 +1,5 @@
 """The matched-site base classes shared by every site kind, and their conversion to a report row."""
+
 from __future__ import annotations
 
 import os
@@ -17,6 +18,7 @@ from .normalize import Producer, Use
 @dataclass(eq=False)
 class MatchedSite:
     """Nodes a site spans plus its parsed arguments. Subclasses add their own nodes."""
+
     pattern: ClassVar[str] = ""
     coll: Node
     wait: Node
@@ -83,18 +85,31 @@ class MatchedSite:
     def _make_row(self) -> Site:
         v = ops.val(self.coll.args[0])
         return Site(
-            name=self.name, pattern=self.pattern, graph=self.graph_kind, status=self.status,
-            reason=self.reason, strategy=self.strategy, chunks=self.chunks, group=self.group,
-            world_size=self.world, collective=self.coll.name, collective_op=ops.collective_name(self.coll),
-            matmuls=[m.name for m in self.matmuls], module=self.module(), dim=self.dim,
+            name=self.name,
+            pattern=self.pattern,
+            graph=self.graph_kind,
+            status=self.status,
+            reason=self.reason,
+            strategy=self.strategy,
+            chunks=self.chunks,
+            group=self.group,
+            world_size=self.world,
+            collective=self.coll.name,
+            collective_op=ops.collective_name(self.coll),
+            matmuls=[m.name for m in self.matmuls],
+            module=self.module(),
+            dim=self.dim,
             dtype=ops.dtype_name(v) if v is not None else None,
-            shapes=_plain(self.shapes()), comm_bytes=self.comm_bytes(), details=_plain(self.details),
+            shapes=_plain(self.shapes()),
+            comm_bytes=self.comm_bytes(),
+            details=_plain(self.details),
         )
 
 
 @dataclass(eq=False)
 class ConsumerSite(MatchedSite):
     """A collective whose result feeds matmuls (all-gather -> mm, all-to-all -> mm)."""
+
     uses: list[Use] = field(default_factory=list)
     other_users: list[Node] = field(default_factory=list)
     """Users of the collective's result (or its views) that are not matmuls: they still need it whole."""
@@ -107,6 +122,7 @@ class ConsumerSite(MatchedSite):
 @dataclass(eq=False)
 class ProducerSite(MatchedSite):
     """A collective whose input is a matmul or a sum of matmuls (mm -> RS / AR / all-to-all)."""
+
     producer: Producer = None
 
     @property
@@ -117,6 +133,7 @@ class ProducerSite(MatchedSite):
 @dataclass(eq=False)
 class Loose:
     """A collective that is part of no site, and why."""
+
     coll: Node
     reason: str
     name: str = ""
@@ -125,13 +142,20 @@ class Loose:
     def to_report(self) -> Site:
         v = ops.val(self.coll.args[0]) if self.coll.args and isinstance(self.coll.args[0], Node) else None
         return Site(
-            name=self.name, pattern="collective", graph=self.graph_kind, status="skipped",
-            reason=self.reason, group=ops.group_name(self.coll), world_size=ops.world_size(self.coll),
-            collective=self.coll.name, collective_op=ops.collective_name(self.coll),
+            name=self.name,
+            pattern="collective",
+            graph=self.graph_kind,
+            status="skipped",
+            reason=self.reason,
+            group=ops.group_name(self.coll),
+            world_size=ops.world_size(self.coll),
+            collective=self.coll.name,
+            collective_op=ops.collective_name(self.coll),
             module=ops.module_path(self.coll),
             dtype=ops.dtype_name(v) if v is not None else None,
-            shapes=_plain({"input": ops.shape(self.coll.args[0]) if v is not None else None,
-                           "output": ops.shape(self.coll)}),
+            shapes=_plain(
+                {"input": ops.shape(self.coll.args[0]) if v is not None else None, "output": ops.shape(self.coll)}
+            ),
         )
 
 

@@ -1,4 +1,5 @@
 """Shared fixtures: a fake process group of 8 ranks in this process, and reusable gloo worlds."""
+
 from __future__ import annotations
 
 import os
@@ -19,6 +20,7 @@ os.environ["OVERLAPC_CACHE"] = __import__("tempfile").mkdtemp(prefix="overlapc-t
 def fake_mesh8():
     """A 1-D DeviceMesh over a fake process group of world size 8 (shapes right, values meaningless)."""
     from overlapc.cli import fake_world
+
     mesh = fake_world(8)
     yield mesh
 
@@ -29,6 +31,7 @@ def own_fake_world():
     fake_mesh8's users expect is put back afterwards (groups resolve by name, "0")."""
     yield
     from overlapc.cli import fake_world
+
     fake_world(8)
 
 
@@ -37,6 +40,7 @@ _WORLDS: dict[int, object] = {}
 
 def _world(n: int):
     from overlapc.world import World
+
     if n not in _WORLDS:
         _WORLDS[n] = World(n, timeout=float(os.environ.get("OVERLAPC_TEST_TIMEOUT", "600")))
     return _WORLDS[n]

@@ -12,6 +12,7 @@ regions carry these ops (the structure a GPU graph has) and that the chunked gra
 what the unchunked one does. Equal head counts only (no grouped-query attention). They say
 nothing about the CUDA kernels' own numerics (scripts/gpu_check.sh's ulysses stage runs those).
 """
+
 from __future__ import annotations
 
 import math
@@ -55,12 +56,37 @@ def flash(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, s
     _check(dropout_p)
     out, lse = _attend(q, k, v, is_causal, scale)
     empty = q.new_empty(0, dtype=torch.int32)
-    return (out, lse, empty, empty, q.shape[2], k.shape[2], torch.zeros(2, dtype=torch.uint64),
-            torch.zeros((), dtype=torch.uint64), q.new_empty(0))
+    return (
+        out,
+        lse,
+        empty,
+        empty,
+        q.shape[2],
+        k.shape[2],
+        torch.zeros(2, dtype=torch.uint64),
+        torch.zeros((), dtype=torch.uint64),
+        q.new_empty(0),
+    )
 
 
-def flash_backward(grad_out, q, k, v, out, lse, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-                   philox_seed, philox_offset, *, scale=None):
+def flash_backward(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    philox_seed,
+    philox_offset,
+    *,
+    scale=None,
+):
     _check(dropout_p)
     return _grads(grad_out, q, k, v, is_causal, scale)
 
@@ -71,34 +97,78 @@ def efficient(q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=F
     out, lse = _attend(q, k, v, is_causal, scale)
     rows = math.ceil(q.shape[2] / 32) * 32 if compute_log_sumexp else 0
     padded = lse.new_zeros((*lse.shape[:2], rows))
-    padded[..., :min(rows, lse.shape[2])] = lse[..., :rows]
+    padded[..., : min(rows, lse.shape[2])] = lse[..., :rows]
     return out, padded, torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)
 
 
-def efficient_backward(grad_out, q, k, v, attn_bias, out, lse, philox_seed, philox_offset, dropout_p,
-                       grad_input_mask, is_causal=False, *, scale=None):
+def efficient_backward(
+    grad_out,
+    q,
+    k,
+    v,
+    attn_bias,
+    out,
+    lse,
+    philox_seed,
+    philox_offset,
+    dropout_p,
+    grad_input_mask,
+    is_causal=False,
+    *,
+    scale=None,
+):
     _check(dropout_p)
     return (*_grads(grad_out, q, k, v, is_causal, scale), None)
 
 
-def cudnn(q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
-          scale=None):
+def cudnn(
+    q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None
+):
     _check(dropout_p)
     assert attn_bias is None
     out, lse = _attend(q, k, v, is_causal, scale)
     empty = q.new_empty(0, dtype=torch.int32)
-    return (out, lse.unsqueeze(-1), empty, empty, q.shape[2], k.shape[2], torch.zeros((), dtype=torch.long),
-            torch.zeros((), dtype=torch.long), q.new_empty(0))
+    return (
+        out,
+        lse.unsqueeze(-1),
+        empty,
+        empty,
+        q.shape[2],
+        k.shape[2],
+        torch.zeros((), dtype=torch.long),
+        torch.zeros((), dtype=torch.long),
+        q.new_empty(0),
+    )
 
 
-def cudnn_backward(grad_out, q, k, v, out, lse, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k,
-                   max_q, max_k, dropout_p, is_causal, *, scale=None):
+def cudnn_backward(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    philox_seed,
+    philox_offset,
+    attn_bias,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    *,
+    scale=None,
+):
     _check(dropout_p)
     return _grads(grad_out, q, k, v, is_causal, scale)
 
 
-OPS = {"flash": "_scaled_dot_product_flash_attention", "efficient": "_scaled_dot_product_efficient_attention",
-       "cudnn": "_scaled_dot_product_cudnn_attention"}
+OPS = {
+    "flash": "_scaled_dot_product_flash_attention",
+    "efficient": "_scaled_dot_product_efficient_attention",
+    "cudnn": "_scaled_dot_product_cudnn_attention",
+}
 
 
 def register() -> None:
@@ -121,6 +191,7 @@ def fused_ulysses(kind: str):
     class Fused(ulysses.UlyssesAttention):
         def attend(self, q, k, v):
             return call(kind, q, k, v, self.cfg.causal)
+
     return Fused
 
 

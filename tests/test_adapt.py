@@ -5,6 +5,7 @@ extra pass changes that time in the rewritten program only, so which program is 
 known: the adaptation must keep the rewritten program when it is faster and the baseline when
 it is slower, on every rank, with every call's result equal to eager.
 """
+
 from __future__ import annotations
 
 import time
@@ -30,10 +31,12 @@ def _(x, seconds):
 
 def _retime(seconds: float):
     """An extra pass: the rewritten program's pause takes ``seconds`` instead."""
+
     def retime(gm):
         for n in gm.graph.nodes:
             if n.target is torch.ops.overlapc_test.pause.default:
                 n.args = (n.args[0], seconds)
+
     return retime
 
 

@@ -18,6 +18,7 @@ Tolerances:
   before the bf16 rounding, a one-ulp change at most: one ulp is 0.4% relative, so rtol
   1.6e-2 (torch's bf16 default) and atol 2e-2 (values here are O(1)).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -35,7 +36,7 @@ def _routing_bias(kind, n_experts: int, seed: int) -> torch.Tensor:
         return torch.zeros(n_experts)
     if kind == "skewed":
         b = torch.zeros(n_experts)
-        b[0], b[n_experts // 2:] = 12.0, -12.0
+        b[0], b[n_experts // 2 :] = 12.0, -12.0
         return b
     return torch.randn(n_experts, generator=torch.Generator().manual_seed(seed)) * float(kind)
 
@@ -61,9 +62,16 @@ def moe_job(config: dict, routings: list) -> dict:
     # "grouped" is the dropless form unless the case says capacity=True (grouped matmuls of
     # the packed (experts, slots, dim) buffer: a bmm by another name)
     dropless = config.get("dropless", config["form"] == "grouped" and not config.get("capacity"))
-    cfg = dict(n_experts=config.get("n_experts", 8), dim=32, hidden=48, top_k=config["top_k"],
-               expert_form=config["form"], capacity_factor=config.get("capacity_factor", 2.0),
-               form="dropless" if dropless else "capacity", dispatch=config.get("dispatch", "index"))
+    cfg = dict(
+        n_experts=config.get("n_experts", 8),
+        dim=32,
+        hidden=48,
+        top_k=config["top_k"],
+        expert_form=config["form"],
+        capacity_factor=config.get("capacity_factor", 2.0),
+        form="dropless" if dropless else "capacity",
+        dispatch=config.get("dispatch", "index"),
+    )
     if key not in _COMPILED:
         # Every config compiles MoE.forward again (one dynamo cache per code object): keep
         # dynamo from falling back to eager after its default 8 recompiles.
@@ -76,6 +84,7 @@ def moe_job(config: dict, routings: list) -> dict:
         _COMPILED[key] = (ref, model, torch.compile(model, backend=be), be)
     ref, model, compiled, be = _COMPILED[key]
     from overlapc.runtime.dropless import DroplessPipeline
+
     calls_before = DroplessPipeline.calls
     tokens = config.get("tokens", 32) + rank * config.get("tokens_step", 0)
     tol = TOL[config.get("autocast", config["dtype"])]
@@ -91,9 +100,12 @@ def moe_job(config: dict, routings: list) -> dict:
         for m, fn in ((ref, ref), (model, compiled)):
             x = x0.clone().requires_grad_(True)
             # The dropless form's split sizes come from .tolist(): keep them in the graph.
-            with torch._dynamo.config.patch(capture_scalar_outputs=dropless), \
-                    torch.autocast("cpu", dtype=DTYPES.get(config.get("autocast"), torch.bfloat16),
-                                   enabled="autocast" in config):
+            with (
+                torch._dynamo.config.patch(capture_scalar_outputs=dropless),
+                torch.autocast(
+                    "cpu", dtype=DTYPES.get(config.get("autocast"), torch.bfloat16), enabled="autocast" in config
+                ),
+            ):
                 y = fn(x)
             w = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
             (y * w).sum().backward()
@@ -107,22 +119,30 @@ def moe_job(config: dict, routings: list) -> dict:
             worst = max(worst, (grads[1][name].float() - g.float()).abs().max().item())
     loops = sorted({(s.graph, s.status, s.reason) for s in be.report.sites if s.pattern == "expert_loop"})
     sites = [s for s in be.report.sites if s.pattern not in ("collective", "expert_loop")]
-    tail = {s.details["pipeline"]["reduced_outputs"] for s in sites if s.graph == "backward" and "pipeline" in s.details}
-    return {"max_abs_err": worst, "loads": loads, "pipeline_calls": DroplessPipeline.calls - calls_before,
-            "tail": sorted(tail), "expert_loops": loops,
-            # a recompile (guards of another config's model failing here) reports them again
-            "sites": sorted({(s.graph, s.pattern, s.status, s.chunks) for s in sites})}
+    tail = {
+        s.details["pipeline"]["reduced_outputs"] for s in sites if s.graph == "backward" and "pipeline" in s.details
+    }
+    return {
+        "max_abs_err": worst,
+        "loads": loads,
+        "pipeline_calls": DroplessPipeline.calls - calls_before,
+        "tail": sorted(tail),
+        "expert_loops": loops,
+        # a recompile (guards of another config's model failing here) reports them again
+        "sites": sorted({(s.graph, s.pattern, s.status, s.chunks) for s in sites}),
+    }
 
 
 def _check_sites(result, chunks):
     """Every site rewritten (both patterns, forward and backward; the einsum form's
-    all-to-alls are each both a consumer and a producer site), none skipped. Forward chunks the capacity slots as asked; backward may
+    all-to-alls are each both a consumer and a producer site), none skipped. Forward chunks the
+    capacity slots as asked; backward may
     pick the expert axis instead (the cost model's choice, passes/plan.predict_region),
     which has only n_experts / world values: chunks clamped to that."""
     sites = result["sites"]
     assert [(g, p, st) for g, p, st, _ in sites] == sorted(
-        (g, p, "rewritten") for g in ("forward", "backward")
-        for p in ("all_to_all_matmul", "matmul_all_to_all")), sites
+        (g, p, "rewritten") for g in ("forward", "backward") for p in ("all_to_all_matmul", "matmul_all_to_all")
+    ), sites
     assert all(n == chunks for g, _, _, n in sites if g == "forward"), sites
     assert all(2 <= n <= chunks for g, _, _, n in sites if g == "backward"), sites
 
@@ -174,8 +194,7 @@ def test_moe_einsum_dispatch_matches_eager(world_name, request):
 def test_moe_einsum_dispatch_inductor(world2):
     """The same layer on inductor's post-grad graphs, at a count that does not divide the
     local experts."""
-    case = dict(form="bmm", dispatch="einsum", top_k=2, dtype="fp32", chunks=3, capacity_factor=1.25,
-                inner="inductor")
+    case = dict(form="bmm", dispatch="einsum", top_k=2, dtype="fp32", chunks=3, capacity_factor=1.25, inner="inductor")
     for r in world2.run(moe_job, case, ROUTINGS[:2]):
         _check_sites(r, 3)
 
@@ -205,8 +224,9 @@ DROPLESS_CASES = [
 
 def _check_dropless(result, config, routings):
     chunks = config["chunks"]
-    assert result["sites"] == sorted((g, p, "rewritten", chunks) for g in ("forward", "backward")
-                                     for p in ("all_to_all_matmul", "matmul_all_to_all")), result["sites"]
+    assert result["sites"] == sorted(
+        (g, p, "rewritten", chunks) for g in ("forward", "backward") for p in ("all_to_all_matmul", "matmul_all_to_all")
+    ), result["sites"]
     # the run-time pipeline really ran: once forward and once backward per routing
     assert result["pipeline_calls"] == 2 * len(routings), result["pipeline_calls"]
     # and the backward's three expert weight gradients are its tail (eager: their transposed
@@ -297,9 +317,11 @@ def dropless_inductor_job(routings, expert_form="grouped") -> list:
     models = {k: moe.MoE(cfg, mesh.get_group()).to(torch.bfloat16) for k in ("truth", "base", "overlapc")}
     models["truth"].float()
     be = overlapc.backend(inner="inductor", strategy="decompose", chunks=3)
-    fns = {"truth": models["truth"],
-           "base": torch.compile(models["base"], backend=overlapc.backend(inner="inductor", strategy="none")),
-           "overlapc": torch.compile(models["overlapc"], backend=be)}
+    fns = {
+        "truth": models["truth"],
+        "base": torch.compile(models["base"], backend=overlapc.backend(inner="inductor", strategy="none")),
+        "overlapc": torch.compile(models["overlapc"], backend=be),
+    }
     calls, compiled, out = DroplessPipeline.calls, DroplessPipeline.compiled_bodies, []
     for kind, seed in routings:
         bias = _routing_bias(kind, cfg.n_experts, seed)
@@ -317,10 +339,13 @@ def dropless_inductor_job(routings, expert_form="grouped") -> list:
             res[name] = {"output": y.detach(), "input": x.grad, **{n: p.grad for n, p in m.named_parameters()}}
         for t, ref in res["truth"].items():
             err = {k: (res[k][t].float() - ref).abs().max().item() for k in ("base", "overlapc")}
-            ulp = ref.abs().max().item() * 2 ** -8
+            ulp = ref.abs().max().item() * 2**-8
             out.append((kind, t, err["base"], err["overlapc"], ulp))
-    sites = {(s.graph, s.pattern, s.status, s.chunks) for s in be.report.sites
-             if s.pattern not in ("collective", "expert_loop")}
+    sites = {
+        (s.graph, s.pattern, s.status, s.chunks)
+        for s in be.report.sites
+        if s.pattern not in ("collective", "expert_loop")
+    }
     return [out, DroplessPipeline.calls - calls, sorted(sites), DroplessPipeline.compiled_bodies - compiled]
 
 
@@ -332,8 +357,9 @@ def test_moe_dropless_inductor(world2, expert_form):
     for errs, calls, sites, compiled in world2.run(dropless_inductor_job, routings, expert_form):
         assert calls == 2 * len(routings), calls
         assert compiled == 2, compiled  # the forward's and the backward's bodies, by inductor
-        assert sites == sorted((g, p, "rewritten", 3) for g in ("forward", "backward")
-                               for p in ("all_to_all_matmul", "matmul_all_to_all")), sites
+        assert sites == sorted(
+            (g, p, "rewritten", 3) for g in ("forward", "backward") for p in ("all_to_all_matmul", "matmul_all_to_all")
+        ), sites
         for kind, tensor, base, ovl, ulp in errs:
             assert ovl <= 2 * base + ulp, (kind, tensor, base, ovl, ulp)
 
@@ -348,6 +374,7 @@ def test_moe_matches_eager_inductor(world2):
 
 # ---------------------------------------------------------------- Ulysses attention
 
+
 def ulysses_job(config: dict) -> dict:
     """Job: the Ulysses block compiled with chunks; outputs and grads against eager."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -358,8 +385,13 @@ def ulysses_job(config: dict) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = DTYPES[config["dtype"]]
     mesh = init_device_mesh("cpu", (world,))
-    kw = dict(dim=config["heads"] * 8, n_heads=config["heads"], causal=config.get("causal", True),
-              n_kv_heads=config.get("kv_heads"), gqa=config.get("gqa", "repeat"))
+    kw = dict(
+        dim=config["heads"] * 8,
+        n_heads=config["heads"],
+        causal=config.get("causal", True),
+        n_kv_heads=config.get("kv_heads"),
+        gqa=config.get("gqa", "repeat"),
+    )
     batch = config.get("batch", 2)
     ref, (x,) = ulysses.build_ulysses(mesh, batch=batch, seq=8 * world, **kw)
     model, _ = ulysses.build_ulysses(mesh, batch=batch, seq=8 * world, **kw)
@@ -397,16 +429,23 @@ def test_ulysses_matches_eager(world_name, request):
     backward; all 8 all-to-alls rewritten either way."""
     world = request.getfixturevalue(world_name)
     n = world.world_size
-    cases = [dict(heads=4, dtype="fp32", chunks=2), dict(heads=8, dtype="bf16", chunks=2),
-             dict(heads=16, dtype="fp32", chunks=4)]
+    cases = [
+        dict(heads=4, dtype="fp32", chunks=2),
+        dict(heads=8, dtype="bf16", chunks=2),
+        dict(heads=16, dtype="fp32", chunks=4),
+    ]
     # CUDA's fused attention ops (CPU stand-ins, tests/sdpa_doubles.py): the region holds them too
-    cases += [dict(heads=8, dtype="fp32", chunks=2, attention="flash"),
-              dict(heads=8, dtype="bf16", chunks=2, attention="efficient"),
-              dict(heads=8, dtype="fp32", chunks=2, attention="cudnn", causal=False)]
+    cases += [
+        dict(heads=8, dtype="fp32", chunks=2, attention="flash"),
+        dict(heads=8, dtype="bf16", chunks=2, attention="efficient"),
+        dict(heads=8, dtype="fp32", chunks=2, attention="cudnn", causal=False),
+    ]
     # grouped-query attention (k/v heads shared by groups of query heads), batch 1: the region
     # chunks the k/v heads, each chunk with its group of query heads, through attention
-    cases += [dict(heads=16, kv_heads=8, dtype="fp32", chunks=2, gqa="repeat", batch=1),
-              dict(heads=16, kv_heads=8, dtype="bf16", chunks=4, gqa="sdpa", batch=1)]
+    cases += [
+        dict(heads=16, kv_heads=8, dtype="fp32", chunks=2, gqa="repeat", batch=1),
+        dict(heads=16, kv_heads=8, dtype="bf16", chunks=4, gqa="sdpa", batch=1),
+    ]
     for config in cases:
         heads, chunks = config.get("kv_heads", config["heads"]), config["chunks"]
         if heads // n < 2:
@@ -427,20 +466,29 @@ from hypothesis import strategies as st  # noqa: E402
 @st.composite
 def random_routing_case(draw):
     form = draw(st.sampled_from(["bmm", "loop", "grouped", "dropless loop", "einsum bmm", "einsum loop"]))
-    case = dict(form=form.split()[-1], top_k=draw(st.integers(1, 2)), dtype="bf16" if form == "grouped" else "fp32",
-                chunks=draw(st.sampled_from([2, 3, 4, 8])))
+    case = dict(
+        form=form.split()[-1],
+        top_k=draw(st.integers(1, 2)),
+        dtype="bf16" if form == "grouped" else "fp32",
+        chunks=draw(st.sampled_from([2, 3, 4, 8])),
+    )
     if form == "dropless loop":
         case["dropless"] = True
     if form.startswith("einsum"):
         case["dispatch"] = "einsum"
-    routings = [(draw(st.sampled_from(["uniform", "skewed", "1.0", "5.0", "20.0"])), draw(st.integers(0, 10**6)))
-                for _ in range(2)]
+    routings = [
+        (draw(st.sampled_from(["uniform", "skewed", "1.0", "5.0", "20.0"])), draw(st.integers(0, 10**6)))
+        for _ in range(2)
+    ]
     return case, routings
 
 
 @pytest.mark.distributed
-@settings(max_examples=int(__import__("os").environ.get("OVERLAPC_HYPOTHESIS_EXAMPLES", "15")), deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=int(__import__("os").environ.get("OVERLAPC_HYPOTHESIS_EXAMPLES", "15")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(case=random_routing_case())
 def test_moe_property_random_routings(world2, case):
     """Random routings (bias scales up to 20: near one-hot, heavily dropping) through models

@@ -1,6 +1,7 @@
 """Axis tracking (passes/axis.py) on real tensors: a chunk taken before a reshape, then
 reshaped, equals the chunk taken after it along the mapped axis; None only when the
 reshape splits the factor."""
+
 from __future__ import annotations
 
 import math
@@ -14,17 +15,17 @@ from overlapc.passes.axis import Axis, through_reshape
 def take(t: torch.Tensor, a: Axis, start: int, n: int) -> torch.Tensor:
     s = list(t.shape)
     o = a.outer(s)
-    v = t.reshape(s[:a.dim] + [o, a.extent, a.inner] + s[a.dim + 1:])
+    v = t.reshape(s[: a.dim] + [o, a.extent, a.inner] + s[a.dim + 1 :])
     return v.narrow(a.dim + 1, start, n).reshape(a.resized(s, n))
 
 
 CASES = [
     # (src shape, axis on src, dst shape): MoE dispatch / combine, Ulysses, flattening
-    ([256, 64], Axis(0, 32), [2, 4, 32, 64]),        # capacity slots of (E*cap, d) -> (ep, n_local, cap, d)
-    ([4, 2, 32, 64], Axis(2, 32), [4, 64, 64]),       # (n_local, ep, cap, d) -> (n_local, ep*cap, d)
+    ([256, 64], Axis(0, 32), [2, 4, 32, 64]),  # capacity slots of (E*cap, d) -> (ep, n_local, cap, d)
+    ([4, 2, 32, 64], Axis(2, 32), [4, 64, 64]),  # (n_local, ep, cap, d) -> (n_local, ep*cap, d)
     ([4, 64, 64], Axis(1, 32), [4, 2, 32, 64]),
     ([2, 4, 32, 64], Axis(2, 32), [256, 64]),
-    ([32, 2, 4, 8], Axis(2, 4), [32, 64]),            # local heads inside the model dim
+    ([32, 2, 4, 8], Axis(2, 4), [32, 64]),  # local heads inside the model dim
     ([6, 10], Axis(1, 5, 2), [60]),
     ([6, 10], Axis(0, 3, 1), [2, 3, 10]),
 ]

@@ -1,6 +1,7 @@
 """The benchmark harness's measurement of compute under communication (benchmarks/common.py),
 in a real gloo world: every rank returns the same numbers, and a replay that cannot run
 raises on every rank."""
+
 from __future__ import annotations
 
 
@@ -59,8 +60,9 @@ def test_compute_alone_keeps_the_experts_rows(world2):
     per-expert counts becomes a copy, so its experts still get every routed row (as zeros,
     as if every rank routed like this one); with the counts zeroed they got none and
     T_compute held a tenth of the step's GEMM time."""
-    cfg = dict(tokens=64, dim=32, hidden=64, n_experts=4, top_k=2, form="dropless", expert_form="grouped",
-               dtype="bfloat16")
+    cfg = dict(
+        tokens=64, dim=32, hidden=64, n_experts=4, top_k=2, form="dropless", expert_form="grouped", dtype="bfloat16"
+    )
     for rows in world2.run(_expert_rows, cfg):
         assert len(rows) == 3 and all(r == cfg["tokens"] * cfg["top_k"] for r in rows), rows
 
@@ -69,8 +71,11 @@ def test_compile_time_benchmark_runs_and_counts_the_passes(fake_mesh8, capsys):
     """benchmarks/compile_time at a toy depth and size (it must not rot): both memo settings
     run, the same sites are found, and the passes' share is inside the total."""
     from benchmarks import compile_time
-    assert compile_time.main(["--layers", "1", "--dim", "64", "--ffn", "128", "--heads", "8", "--seq", "32",
-                              "--no-write"]) == 0
+
+    assert (
+        compile_time.main(["--layers", "1", "--dim", "64", "--ffn", "128", "--heads", "8", "--seq", "32", "--no-write"])
+        == 0
+    )
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("layers")]
     assert len(lines) == 2 and lines[0].split("passes")[1].split("s,")[1] == lines[1].split("passes")[1].split("s,")[1]
     for ln in lines:

@@ -5,6 +5,7 @@ rewritten graph's all-reduce nodes. Numerics against eager on real worlds are in
 tests/test_rewrites_distributed.py (programs col_ar and par_ar) and
 tests/test_models_distributed.py (the TP-only Llama).
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,11 +36,11 @@ def test_sum_of_three_through_views(fake_mesh8):
         return (_ar(a @ w).view(2, 4, 8) + _ar(b @ w).view(2, 4, 8)) + _ar(c @ w).view(2, 4, 8)
 
     report, ars = _run(fn, _x(8, 16), _x(8, 16), _x(8, 16), _x(16, 8))
-    row, = report.by(pattern="all_reduce_sum")
+    (row,) = report.by(pattern="all_reduce_sum")
     assert row.status == "rewritten" and len(row.details["all_reduces"]) == 3
     assert row.details["bytes_saved"] == 2 * 8 * 8 * 4
     # one all-reduce of a sum of matmuls, chunked by the matmul_all_reduce rewrite
-    site, = report.by(pattern="matmul_all_reduce")
+    (site,) = report.by(pattern="matmul_all_reduce")
     assert site.status == "rewritten" and site.details["producer"] == "sum" and len(site.matmuls) == 3
     assert sum(ops.val(n.args[0]).numel() for n in ars) == 8 * 8
 
@@ -49,7 +50,7 @@ def test_replicated_term_stays_outside(fake_mesh8):
         return r + _ar(a @ w) + _ar(b @ w)  # r is this rank's own: added after the all-reduce
 
     report, ars = _run(fn, _x(8, 16), _x(8, 16), _x(8, 8), _x(16, 8), options={"strategy": "auto"})
-    row, = report.by(pattern="all_reduce_sum")
+    (row,) = report.by(pattern="all_reduce_sum")
     assert row.status == "rewritten"
     assert sum(ops.val(n.args[0]).numel() for n in ars) == 64
 
@@ -70,8 +71,12 @@ def test_left_alone(fake_mesh8):
         return _ar(a @ w) + _ar((b @ w)[:1])
 
     x, w = _x(8, 16), _x(16, 8)
-    for fn, args in [(used_elsewhere, (x, x, w)), (twice, (x, w)),
-                     (cast, (x.bfloat16(), x.bfloat16(), w.bfloat16())), (broadcast, (x, x, w))]:
+    for fn, args in [
+        (used_elsewhere, (x, x, w)),
+        (twice, (x, w)),
+        (cast, (x.bfloat16(), x.bfloat16(), w.bfloat16())),
+        (broadcast, (x, x, w)),
+    ]:
         report, ars = _run(fn, *args)
         assert not report.by(pattern="all_reduce_sum"), (fn.__name__, str(report))
         assert len(ars) >= 2, fn.__name__
@@ -84,7 +89,7 @@ def test_groups_and_dtypes_apart(fake_mesh8):
         return _ar(a @ w) + _ar(b @ w, sub) + _ar(c @ w)  # only the two world all-reduces meet
 
     report, ars = _run(fn, _x(8, 16), _x(8, 16), _x(8, 16), _x(16, 8))
-    row, = report.by(pattern="all_reduce_sum")
+    (row,) = report.by(pattern="all_reduce_sum")
     assert len(row.details["all_reduces"]) == 2 and row.group == dist.group.WORLD.group_name
     per_group = {}
     for n in ars:
@@ -99,6 +104,6 @@ def test_strategy_none_reports(fake_mesh8):
     x, w = _x(8, 16), _x(16, 8)
     for options in ({"strategy": "none"}, {"overrides": {"*:all_reduce_sum": {"strategy": "none"}}}):
         report, ars = _run(fn, x, x, w, options=options)
-        row, = report.by(pattern="all_reduce_sum")
+        (row,) = report.by(pattern="all_reduce_sum")
         assert row.status == "found" and "strategy 'none'" in row.reason
         assert len(ars) >= 2

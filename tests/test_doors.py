@@ -1,5 +1,6 @@
 """The three doors: torch.compile backend (by name, with options, as a callable), the
 decorator (class, instance, function), explain() and the CLI; options validation."""
+
 from __future__ import annotations
 
 import json
@@ -17,23 +18,27 @@ from overlapc import Options, OverlapError
 
 # ---------------------------------------------------------------- options
 
+
 def test_options_defaults_and_merge():
     o = Options.from_user({"chunks": 4}, inner="eager")
     assert o.chunks == 4 and o.inner == "eager" and o.strategy == "auto"
     assert Options.from_user(o, chunks=2).chunks == 2
 
 
-@pytest.mark.parametrize("bad,needle", [
-    ({"chunk": 4}, "unknown option 'chunk' (did you mean 'chunks'?)"),
-    ({"inner": "aot"}, "option 'inner' must be one of 'inductor', 'eager'; got 'aot'"),
-    ({"strategy": "fast"}, "option 'strategy' must be one of 'auto', 'decompose', 'fuse', 'none'"),
-    ({"chunks": 1}, "option 'chunks' must be 'auto' or an int >= 2; got 1"),
-    ({"chunks": True}, "option 'chunks' must be 'auto' or an int >= 2"),
-    ({"min_bytes": -1}, "option 'min_bytes' must be an int >= 0"),
-    ({"timeout": 0}, "option 'timeout' must be a number of seconds > 0"),
-    ({"overrides": {"*wo*": {"chunk": 2}}}, "per-site options allowed: strategy, chunks"),
-    ({"overrides": {"*wo*": {"chunks": 0}}}, "option \"overrides['*wo*'].chunks\" must be 'auto' or an int >= 2"),
-])
+@pytest.mark.parametrize(
+    "bad,needle",
+    [
+        ({"chunk": 4}, "unknown option 'chunk' (did you mean 'chunks'?)"),
+        ({"inner": "aot"}, "option 'inner' must be one of 'inductor', 'eager'; got 'aot'"),
+        ({"strategy": "fast"}, "option 'strategy' must be one of 'auto', 'decompose', 'fuse', 'none'"),
+        ({"chunks": 1}, "option 'chunks' must be 'auto' or an int >= 2; got 1"),
+        ({"chunks": True}, "option 'chunks' must be 'auto' or an int >= 2"),
+        ({"min_bytes": -1}, "option 'min_bytes' must be an int >= 0"),
+        ({"timeout": 0}, "option 'timeout' must be a number of seconds > 0"),
+        ({"overrides": {"*wo*": {"chunk": 2}}}, "per-site options allowed: strategy, chunks"),
+        ({"overrides": {"*wo*": {"chunks": 0}}}, "option \"overrides['*wo*'].chunks\" must be 'auto' or an int >= 2"),
+    ],
+)
 def test_options_errors_name_the_option(bad, needle):
     with pytest.raises(OverlapError) as e:
         Options.from_user(bad)
@@ -60,6 +65,7 @@ def test_bad_options_through_every_door():
 
 # ---------------------------------------------------------------- registration
 
+
 def test_listed_as_dynamo_backend():
     assert "overlapc" in torch._dynamo.list_backends()
 
@@ -72,6 +78,7 @@ def test_decorator_rejects_non_modules():
 
 
 # ---------------------------------------------------------------- doors in a real world
+
 
 def doors_job():
     """Job: every door on a small AG -> mm -> RS program gives eager's result on this rank."""
@@ -193,6 +200,7 @@ def test_ranks_that_plan_differently_fail_fast(world2):
 
 # ---------------------------------------------------------------- CLI
 
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "overlapc.cli", *args], capture_output=True, text=True, timeout=300)
 
@@ -216,22 +224,26 @@ def test_cli_rewrite_writes_graphs(tmp_path):
     json.loads((tmp_path / "report.json").read_text())
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["explain", "no_such_module:build", "-w", "2"], "cannot import module 'no_such_module'"),
-    (["explain", "overlapc.models.llama", "-w", "2"], "is not MODULE:CALLABLE"),
-    (["explain", "overlapc.models.llama:nope", "-w", "2"], "has no attribute 'nope'"),
-    (["explain", "overlapc.models.llama:build_tp", "-w", "zero"], "must be an integer >= 1"),
-    (["explain", "overlapc.models.llama:build_tp", "-w", "0"], "must be an integer >= 1"),
-    (["explain", "overlapc.models.llama:build_tp", "-w", "2", "-O", "chunks=1"], "option 'chunks'"),
-    (["explain", "overlapc.models.llama:build_tp", "-w", "3"], "not divisible"),
-    (["frobnicate"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["explain", "no_such_module:build", "-w", "2"], "cannot import module 'no_such_module'"),
+        (["explain", "overlapc.models.llama", "-w", "2"], "is not MODULE:CALLABLE"),
+        (["explain", "overlapc.models.llama:nope", "-w", "2"], "has no attribute 'nope'"),
+        (["explain", "overlapc.models.llama:build_tp", "-w", "zero"], "must be an integer >= 1"),
+        (["explain", "overlapc.models.llama:build_tp", "-w", "0"], "must be an integer >= 1"),
+        (["explain", "overlapc.models.llama:build_tp", "-w", "2", "-O", "chunks=1"], "option 'chunks'"),
+        (["explain", "overlapc.models.llama:build_tp", "-w", "3"], "not divisible"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
 def test_cli_errors_exit_2_with_one_line(args, needle, capsys):
     if needle == "not divisible":  # builds the model (a process group): in its own process
         p = _cli(*args)
         code, err = p.returncode, p.stderr
     else:  # fails before any model exists: in this process, without ~1.4 s of start-up each
         from overlapc import cli
+
         try:
             code = cli.main(list(args))
         except SystemExit as e:  # argparse's own errors
@@ -264,7 +276,8 @@ def test_cli_calibrate_needs_a_world():
     """Without --world-size, calibrate measures the world torchrun launched; outside one it
     says how to run it (exit 2), rather than measuring a one-rank world."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    p = subprocess.run([sys.executable, "-m", "overlapc", "calibrate"], capture_output=True, text=True,
-                       timeout=120, env=env)
+    p = subprocess.run(
+        [sys.executable, "-m", "overlapc", "calibrate"], capture_output=True, text=True, timeout=120, env=env
+    )
     assert p.returncode == 2, p.stderr
     assert "--world-size" in p.stderr and "torchrun" in p.stderr, p.stderr

@@ -1,4 +1,5 @@
 """The run-time chunking of the dropless pipeline (overlapc/runtime/dropless.py), single process."""
+
 from __future__ import annotations
 
 import random
@@ -27,7 +28,7 @@ def test_chunk_offsets_count_each_group_in_each_chunk():
     for _ in range(200):
         world, n_local, chunks = rng.randint(1, 4), rng.randint(1, 3), rng.randint(1, 6)
         counts = [rng.choice([0, 0, 1, 2, 7]) for _ in range(world * n_local)]  # groups (src, expert)
-        splits = [sum(counts[r * n_local:(r + 1) * n_local]) for r in range(world)]
+        splits = [sum(counts[r * n_local : (r + 1) * n_local]) for r in range(world)]
         ends = torch.cumsum(torch.tensor(counts), 0)
         label = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
         starts, bounds = _starts(splits), [boundaries(n, chunk_weights(chunks)) for n in splits]
@@ -54,16 +55,18 @@ def test_tail_takes_weight_gradients_only_when_their_other_operands_precede_the_
     from overlapc.passes.dropless import _tail_gemm
 
     def f(rows, early, late_in):
-        dispatch = rows * 2          # stands for the dispatch (position `before`)
-        late = late_in + 1           # computed after it
+        dispatch = rows * 2  # stands for the dispatch (position `before`)
+        late = late_in + 1  # computed after it
         return torch.mm(dispatch.t(), early), torch.mm(dispatch.t(), late), torch.mm(early.t(), early)
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(6, 4), torch.randn(6, 3), torch.randn(6, 3))
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     (dispatch,) = [n for n in nodes if n.target is torch.ops.aten.mul.Tensor]
-    kinds = {dispatch: "row", **{n: "rowT" for n in nodes if n.target is torch.ops.aten.t.default
-                                 and n.args[0] is dispatch}}
+    kinds = {
+        dispatch: "row",
+        **{n: "rowT" for n in nodes if n.target is torch.ops.aten.t.default and n.args[0] is dispatch},
+    }
     mm_early, mm_late, mm_outside = [n for n in nodes if n.target is torch.ops.aten.mm.default]
     early = nodes[0].next  # the second placeholder
     assert _tail_gemm(mm_early, kinds, pos, pos[dispatch]) == [early]
@@ -84,12 +87,14 @@ def test_a_body_that_fails_to_compile_runs_uncompiled(monkeypatch):
         return (torch.relu(recv) @ w,)
 
     gm = symbolic_trace(body)
-    p = dropless.DroplessPipeline(body=gm, group_name="0", chunks=2, n_row_inputs=0, n_row_outputs=0,
-                                  site="s0", compile_body=True)
+    p = dropless.DroplessPipeline(
+        body=gm, group_name="0", chunks=2, n_row_inputs=0, n_row_outputs=0, site="s0", compile_body=True
+    )
 
     def broken(*a, **k):
         def run(*args):
             raise RuntimeError("no lowering for aten.frobnicate")
+
         return run
 
     monkeypatch.setattr(torch, "compile", broken)
@@ -107,8 +112,10 @@ def test_a_body_that_fails_to_compile_runs_uncompiled(monkeypatch):
     finally:
         logging.getLogger("overlapc").removeHandler(handler)
     assert torch.equal(out, torch.relu(x) @ w)
-    assert any("dropless pipeline s0: its compiled body failed (RuntimeError: no lowering for aten.frobnicate)"
-               in m for m in seen), seen
+    assert any(
+        "dropless pipeline s0: its compiled body failed (RuntimeError: no lowering for aten.frobnicate)" in m
+        for m in seen
+    ), seen
     assert p._body_fn is gm
     (again,) = p._run_body(x, None, w)
     assert torch.equal(again, out)

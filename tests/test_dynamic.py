@@ -4,6 +4,7 @@ plan per shape bucket (overlapc/buckets.py), equal to eager on every rank.
 Tolerances are those of tests/test_models_distributed.py (same ops, chunked): fp32 1e-5
 with inner="eager", 1e-4 relative with inductor (fused reductions change summation order).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -48,8 +49,9 @@ def test_plan_per_bucket(fake_mesh8):
     for s in be.report.sites:
         by_bucket.setdefault(s.details["bucket"]["rows_at"], []).append(s)
     assert sorted(by_bucket) == [8, 512], by_bucket.keys()  # lower bounds of [8, 16) and [512, 1024)
-    assert all(s.status == "skipped" and "predicted gain" in s.reason and "at s" in s.reason
-               for s in by_bucket[8]), [s.reason for s in by_bucket[8]]
+    assert all(s.status == "skipped" and "predicted gain" in s.reason and "at s" in s.reason for s in by_bucket[8]), [
+        s.reason for s in by_bucket[8]
+    ]
     assert any(s.status == "rewritten" for s in by_bucket[512]), [s.reason for s in by_bucket[512]]
 
 
@@ -70,8 +72,9 @@ def test_bucket_plan_fits_its_smallest_size(fake_mesh8):
         return fc.all_gather_tensor(x, 0, group) @ w + shift
 
     def compiled(chunks):
-        be = overlapc.Backend(Options.from_user(None, strategy="decompose", chunks=chunks, inner="eager"),
-                              verify_plans=False)
+        be = overlapc.Backend(
+            Options.from_user(None, strategy="decompose", chunks=chunks, inner="eager"), verify_plans=False
+        )
         torch._dynamo.reset()
         return torch.compile(layer, backend=be, dynamic=True), be
 
@@ -86,7 +89,8 @@ def test_bucket_plan_fits_its_smallest_size(fake_mesh8):
         assert fn(torch.randn(rows, 16), 1).shape == (8 * rows, 16)
     sites = [s for s in be.report.sites if s.pattern == "all_gather_matmul"]
     assert sites and all(s.status == "rewritten" and s.chunks == 4 for s in sites), [
-        (s.status, s.chunks, s.reason) for s in sites]
+        (s.status, s.chunks, s.reason) for s in sites
+    ]
     assert sites[0].details["chunks_clamped"] == "8 -> 4: only 4 rows to split"
 
 
@@ -135,6 +139,7 @@ def run_batches(inner: str, batches: list[int], seq: int, options: dict | None =
     # rewrite and the buckets under test are the same without it. Patched for this job
     # only: the world's processes run the other tests' jobs after it.
     import torch._inductor.config as inductor_config
+
     with inductor_config.patch({"cpp.simdlen": 1}):
         return _run_batches(inner, batches, seq, options)
 
@@ -153,6 +158,7 @@ def _run_batches(inner, batches, seq, options):
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=be, dynamic=True)
     from torch._dynamo.utils import counters
+
     counters.clear()
     tol = TOL[inner]
     for step, b in enumerate(batches):
@@ -164,8 +170,11 @@ def _run_batches(inner, batches, seq, options):
             out = out.to_local() if hasattr(out, "to_local") else out
             w = torch.randn(out.shape, generator=torch.Generator().manual_seed(step)).to(out.dtype)
             (out * w).sum().backward()
-            grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
-                     for n, p in params.named_parameters() if p.grad is not None}
+            grads = {
+                n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
+                for n, p in params.named_parameters()
+                if p.grad is not None
+            }
             outs.append((out.detach(), grads))
         (r_out, r_g), (c_out, c_g) = outs
         where = f"rank {dist.get_rank()} batch {b}"

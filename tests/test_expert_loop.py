@@ -4,6 +4,7 @@ Single process: the pass runs on Dynamo's graph before AOTAutograd and needs no
 collective; the distributed dropless cases (tests/test_all_to_all_distributed.py) check
 the loop form end to end, pipelined, on every rank.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,11 @@ SIZES = [3, 0, 9, 4]  # an empty group, a large one
 def _operands(dtype=torch.float64, sizes=SIZES, k=5, n=6, seed=0):
     g = torch.Generator().manual_seed(seed)
     rows = sum(sizes)
-    return (torch.randn(rows, k, generator=g, dtype=dtype), torch.randn(len(sizes), k, n, generator=g, dtype=dtype),
-            torch.tensor(sizes))
+    return (
+        torch.randn(rows, k, generator=g, dtype=dtype),
+        torch.randn(len(sizes), k, n, generator=g, dtype=dtype),
+        torch.tensor(sizes),
+    )
 
 
 @pytest.mark.parametrize("index", [None, [1, 0, 1, 0]])
@@ -57,8 +61,11 @@ def test_grouped_mm_under_autocast_casts_as_the_loops_mm(dtype):
     for loop in (False, True):
         xg, wg = x.clone().requires_grad_(), w[:2].clone().requires_grad_()
         with torch.autocast("cpu", dtype=dtype):
-            y = torch.cat([r @ wg[index[g]] for g, r in enumerate(xg.split(SIZES))]) if loop else \
-                grouped_mm(xg, wg, offs, index)
+            y = (
+                torch.cat([r @ wg[index[g]] for g, r in enumerate(xg.split(SIZES))])
+                if loop
+                else grouped_mm(xg, wg, offs, index)
+            )
         y.float().mul(torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
         got.append((y, xg.grad, wg.grad))
     for a, b in zip(*got):
@@ -171,7 +178,9 @@ def _compile_and_compare(fn, dtype=torch.float32, tol=1e-5):
 
 
 def _count(be, kind, target):
-    return sum(n.op == "call_function" and n.target is target for k, gm in be.graphs if k == kind for n in gm.graph.nodes)
+    return sum(
+        n.op == "call_function" and n.target is target for k, gm in be.graphs if k == kind for n in gm.graph.nodes
+    )
 
 
 @pytest.mark.parametrize("fn", [_swiglu_loop, _linear_loop])
@@ -208,12 +217,15 @@ def test_a_loop_under_autocast_is_regrouped_with_mms_casts():
     assert _count(be, "backward", gmm) == 6
 
 
-@pytest.mark.parametrize("fn, why", [
-    (_static_loop, "a loop over sizes known at compile time is not grouped"),
-    (_autocast_cat_outside, "not in one autocast region"),
-    (_mixed_loop, "the groups' graphs differ at"),
-    (_leaky_loop, "is also read by"),
-])
+@pytest.mark.parametrize(
+    "fn, why",
+    [
+        (_static_loop, "a loop over sizes known at compile time is not grouped"),
+        (_autocast_cat_outside, "not in one autocast region"),
+        (_mixed_loop, "the groups' graphs differ at"),
+        (_leaky_loop, "is also read by"),
+    ],
+)
 def test_other_loops_are_left_alone_with_the_reason(fn, why):
     be = _compile_and_compare(fn)
     sites = be.report.by(pattern="expert_loop")

@@ -6,6 +6,7 @@ row-parallel outputs all-reduced), exported on every rank of a real gloo world, 
 saved, loaded and run. Results equal eager on every rank: fp32, rtol = atol = 1e-5 (chunked
 GEMMs and chunked reductions change only the blocking and each element's summation order).
 """
+
 from __future__ import annotations
 
 import os
@@ -42,6 +43,7 @@ MODELS = {"sp_mlp": megatron.build_sp_mlp, "tp_block": megatron.build_tp_block, 
 
 def _mesh():
     from torch.distributed.device_mesh import init_device_mesh
+
     return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
@@ -55,14 +57,19 @@ def export_job(name: str, out_dir: str, options: dict) -> dict:
     ep = torch.export.export(model, (x,))
     overlapc.reset_report()
     new = overlapc.rewrite(ep, options=options)
-    assert new is not ep and [s.name for s in overlapc.last_report().sites] == [s.name for s in new.overlapc_report.sites]
+    assert new is not ep and [s.name for s in overlapc.last_report().sites] == [
+        s.name for s in new.overlapc_report.sites
+    ]
     path = os.path.join(out_dir, f"{name}_rank{rank}.pt2")
     torch.export.save(new, path)
     loaded = torch.export.load(path)
     got, want = loaded.module()(x), model(x)
     torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"rank {rank} {name}: {m}")
-    return {"before": _count(ep), "after": _count(loaded),
-            "rows": [(s.pattern, s.status, s.chunks) for s in new.overlapc_report.sites]}
+    return {
+        "before": _count(ep),
+        "after": _count(loaded),
+        "rows": [(s.pattern, s.status, s.chunks) for s in new.overlapc_report.sites],
+    }
 
 
 @pytest.mark.distributed
@@ -105,8 +112,10 @@ def training_job(out_dir: str) -> dict:
     # .module() cannot unflatten a joint program's outputs (its call spec is the forward's:
     # one loss), so the graph runs on its flat inputs, in the signature's order.
     from torch.export.graph_signature import InputKind
-    args = [loaded.state_dict[s.target] if s.kind == InputKind.PARAMETER else x
-            for s in loaded.graph_signature.input_specs]
+
+    args = [
+        loaded.state_dict[s.target] if s.kind == InputKind.PARAMETER else x for s in loaded.graph_signature.input_specs
+    ]
     loss, *grads = loaded.graph_module(*args)
     want = step(x)
     want.backward()
@@ -174,8 +183,23 @@ def test_cli_export_and_explain(tmp_path, capsys, own_fake_world):
     from overlapc.cli import main
 
     out = str(tmp_path / "sp.pt2")
-    assert main(["rewrite", "overlapc.models.megatron:build_sp_mlp", "-w", "4", "--export", out,
-                 "-O", "strategy='decompose'", "-O", "chunks=2"]) == 0
+    assert (
+        main(
+            [
+                "rewrite",
+                "overlapc.models.megatron:build_sp_mlp",
+                "-w",
+                "4",
+                "--export",
+                out,
+                "-O",
+                "strategy='decompose'",
+                "-O",
+                "chunks=2",
+            ]
+        )
+        == 0
+    )
     assert "wrote " + out in capsys.readouterr().out
     assert main(["explain", out]) == 0  # the world size read from its all-gather
     text = capsys.readouterr().out

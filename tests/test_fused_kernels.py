@@ -13,6 +13,7 @@ output once; the reduce-scatter reference then sums bf16 partials in bf16 (gloo)
 fused consumer sums them in fp32: one bf16 ulp (2^-8 relative) apart, rtol = 1.6e-2
 (torch's bf16 default), atol = 2e-2.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,11 +39,11 @@ TOL = {"float32": dict(rtol=1e-5, atol=1e-5), "bfloat16": dict(rtol=1.6e-2, atol
 
 # (shard shape, gather dim, chunks (None: 2 x world), consumers' N (negative: b is a t() view), return_a)
 AG_CASES = [
-    ((20, 24), 0, 3, [40, -17], True),      # uneven tile edges, two consumers, one transposed
-    ((3, 6, 40), 1, None, [24], True),      # inner-dim gather of a 3-D activation, K > BLOCK_K
-    ((4, 5, 24), 0, 1, [33], False),        # one chunk; dim 0 of a 3-D activation
+    ((20, 24), 0, 3, [40, -17], True),  # uneven tile edges, two consumers, one transposed
+    ((3, 6, 40), 1, None, [24], True),  # inner-dim gather of a 3-D activation, K > BLOCK_K
+    ((4, 5, 24), 0, 1, [33], False),  # one chunk; dim 0 of a 3-D activation
     ((2, 3, 5, 16), 2, 2, [8, 8, 8], True),  # 4-D, gather on dim 2, three consumers (q, k, v)
-    ((64, 48), 0, 4, [72], True),           # bigger: grows the workspace
+    ((64, 48), 0, 4, [72], True),  # bigger: grows the workspace
 ]
 # (full shape before the scatter, scatter dim, N); the scattered dim is a multiple of the world size
 RS_CASES = [
@@ -88,8 +89,7 @@ def fused_matrix(dtype: str):
         for shape, d, chunks, ns, return_a in AG_CASES:
             K = shape[-1]
             a = torch.randn(shape, dtype=dt)
-            bs = [(torch.randn(-n, K, dtype=dt).t() if n < 0 else torch.randn(K, n, dtype=dt)) / K ** 0.5
-                  for n in ns]
+            bs = [(torch.randn(-n, K, dtype=dt).t() if n < 0 else torch.randn(K, n, dtype=dt)) / K**0.5 for n in ns]
             g, outs = fused.all_gather_matmul(a, bs, d, group.group_name, chunks or 2 * world, 60, return_a)
             ref = _ref_gather(a, d, group)
             if return_a:
@@ -105,7 +105,7 @@ def fused_matrix(dtype: str):
     # them (their buffers still hold the previous call's rows of the same shape).
     for late in range(2):
         a = torch.randn(20, 24, dtype=dt)
-        b = torch.randn(24, 40, dtype=dt) / 24 ** 0.5
+        b = torch.randn(24, 40, dtype=dt) / 24**0.5
         if rank == late:
             time.sleep(0.3)
         _, (o,) = fused.all_gather_matmul(a, [b], 0, group.group_name, 3, 60)
@@ -126,8 +126,9 @@ def fused_matrix(dtype: str):
     x = torch.randn(2 * world, 8, dtype=dt)
     out = fused.matmul_reduce_scatter(x, b, 0, group.group_name, 60, min_flops=1 << 40)
     check("rs fallback", out, funcol.wait_tensor(funcol.reduce_scatter_tensor(x @ b, "sum", 0, group)))
-    return dict(errs=errs, fails=fails, fused=fused_calls, fallback=fused.calls["fallback"],
-                leaks=symm.leaked_segments())
+    return dict(
+        errs=errs, fails=fails, fused=fused_calls, fallback=fused.calls["fallback"], leaks=symm.leaked_segments()
+    )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -160,12 +161,15 @@ class StandInSymmetricMemory:
         return ws.buffers[ws.rank][:n].view(dtype)
 
     def rendezvous(self, local, group_name):
-        assert group_name == self.group.group_name and local.data_ptr() == self.regions[-1].buffers[dist.get_rank()].data_ptr()
+        assert (
+            group_name == self.group.group_name
+            and local.data_ptr() == self.regions[-1].buffers[dist.get_rank()].data_ptr()
+        )
         return self
 
     def get_buffer(self, rank, sizes, dtype, storage_offset=0):
         (n,) = sizes
-        return self.regions[-1].buffers[rank][storage_offset:storage_offset + n].view(dtype)
+        return self.regions[-1].buffers[rank][storage_offset : storage_offset + n].view(dtype)
 
     def barrier(self, channel=0, timeout_ms=0):
         dist.barrier(self.group)
@@ -181,7 +185,8 @@ def handle_backed(dtype: str):
     standin = StandInSymmetricMemory(group, real)
     symm.release_all()
     symm.rendezvous_cpu = lambda g, nbytes, n_flags, timeout=60.0: symm.rendezvous_cuda(
-        g, nbytes, n_flags, torch.device("cpu"), sm=standin)
+        g, nbytes, n_flags, torch.device("cpu"), sm=standin
+    )
     fails = []
     try:
         torch.manual_seed(99 + dist.get_rank())
@@ -190,7 +195,9 @@ def handle_backed(dtype: str):
             bs = [torch.randn(a.shape[-1], abs(n), dtype=dt) for n in ns]
             _, outs = fused.all_gather_matmul(a, bs, d, group.group_name, chunks or 3, 60)
             ref = _ref_gather(a, d, group)
-            fails += [f"ag{shape}" for o, b in zip(outs, bs) if not torch.allclose(o.float(), (ref @ b).float(), **TOL[dtype])]
+            fails += [
+                f"ag{shape}" for o, b in zip(outs, bs) if not torch.allclose(o.float(), (ref @ b).float(), **TOL[dtype])
+            ]
         for full, rd, n in RS_CASES[:2]:
             x = torch.randn([f * (dist.get_world_size() if i == rd else 1) for i, f in enumerate(full)], dtype=dt)
             w = torch.randn(x.shape[-1], n, dtype=dt)
@@ -223,8 +230,10 @@ def autotuned(dtype: str):
     group = dist.group.WORLD
     world = dist.get_world_size()
     real = g.configs
-    g.configs = lambda M, N, K: [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1),
-                                 dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)]
+    g.configs = lambda M, N, K: [
+        dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1),
+        dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1),
+    ]
     fused._TUNED.clear()
     fails = []
     try:
@@ -258,9 +267,11 @@ def bad_inputs():
 
     gn = dist.group.WORLD.group_name
     msgs = []
-    for call in (lambda: fused.all_gather_matmul(torch.randn(4, 8), [torch.randn(8, 4)], 1, gn),
-                 lambda: fused.all_gather_matmul(torch.randn(4, 8), [torch.randn(7, 4)], 0, gn),
-                 lambda: fused.matmul_reduce_scatter(torch.randn(3, 8), torch.randn(8, 4), 0, gn)):
+    for call in (
+        lambda: fused.all_gather_matmul(torch.randn(4, 8), [torch.randn(8, 4)], 1, gn),
+        lambda: fused.all_gather_matmul(torch.randn(4, 8), [torch.randn(7, 4)], 0, gn),
+        lambda: fused.matmul_reduce_scatter(torch.randn(3, 8), torch.randn(8, 4), 0, gn),
+    ):
         try:
             call()
             msgs.append(None)
@@ -332,13 +343,15 @@ def skip_rendezvous(timeout: float):
 @pytest.fixture(scope="module")
 def fault_world():
     from overlapc.world import World
+
     w = World(2, timeout=120)
     yield w
     w.close()
 
 
-@pytest.mark.parametrize("op,name", [("ag", "overlapc::fused_all_gather_matmul"),
-                                     ("rs", "overlapc::fused_matmul_reduce_scatter")])
+@pytest.mark.parametrize(
+    "op,name", [("ag", "overlapc::fused_all_gather_matmul"), ("rs", "overlapc::fused_matmul_reduce_scatter")]
+)
 def test_dead_rank_fails_the_others_within_timeout(fault_world, op, name):
     from overlapc.world import WorldError
 
@@ -451,8 +464,11 @@ def test_auto_fuses_where_the_model_says_it_pays(fake_mesh8, tmp_path):
     pays = {n for n, s in gpu.items() if s.details.get("fuse_not_taken")}
     # auto never fuses on CUDA until the kernels pass the checks between GPUs (issue 37); the
     # report says so, and what this machine lacks besides
-    assert pays and all("does not fuse on cuda" in gpu[n].details["fuse_not_taken"]
-                        and "CUDA symmetric-memory workspace" in gpu[n].details["fuse_not_taken"] for n in pays)
+    assert pays and all(
+        "does not fuse on cuda" in gpu[n].details["fuse_not_taken"]
+        and "CUDA symmetric-memory workspace" in gpu[n].details["fuse_not_taken"]
+        for n in pays
+    )
     assert all(s.strategy != "fuse" for s in gpu.values())
     for s in gpu.values():  # fusion is offered exactly where the model prices it below both
         p = s.details["predicted"]
@@ -479,10 +495,16 @@ def test_gpu_check_smoke_runs_every_part(tmp_path):
     import json
     import subprocess
     import sys
+
     out = tmp_path / "gc.json"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--smoke", "--out", str(out)], cwd=root,
-                       capture_output=True, text=True, timeout=180)
+    p = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--smoke", "--out", str(out)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["errors"] == []

@@ -5,6 +5,7 @@ another graph fails clearly instead of hanging.
 No root needed: the link is a test double of the measurement's collectives (a barrier,
 then a sleep of latency + bytes / rate), so a "slow" and a "fast" link are exact.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -18,6 +19,7 @@ from overlapc.runtime import live
 def _link(rate: float, latency: float = 50e-6):
     """A replacement for live.collective_fn: every collective takes latency + the bytes a
     rank receives / ``rate``, on every rank at once (a barrier first)."""
+
     def collective_fn(link, need):
         moved = need.nbytes * (link.size - 1) * (1 if need.kind == "all_gather" else 1 / link.size)
 
@@ -26,8 +28,10 @@ def _link(rate: float, latency: float = 50e-6):
 
             link.barrier()
             time.sleep(latency + moved / rate)
+
         calls.append(need)
         return run
+
     calls: list = []
     return collective_fn, calls
 
@@ -90,9 +94,13 @@ def live_job(case: dict, cache_dir: str) -> dict:
             got = [s for s in _sites(be).values() if s.pattern == "all_gather_matmul"]
             assert len(got) == 1, [(s.name, s.status, s.reason) for s in be.report.sites]
             site = got[0] or [None]
-            out[step] = {"status": site.status, "numbers": site.details["predicted"]["numbers"],
-                         "profile": site.details["predicted"]["profile"], "measured": len(calls) - before,
-                         "gain": site.details["predicted"]["gain"]}
+            out[step] = {
+                "status": site.status,
+                "numbers": site.details["predicted"]["numbers"],
+                "profile": site.details["predicted"]["profile"],
+                "measured": len(calls) - before,
+                "gain": site.details["predicted"]["gain"],
+            }
     return out
 
 
@@ -138,8 +146,11 @@ def disk_cache_job(cache_dir: str, corrupt: bool) -> dict:
         warnings.simplefilter("always")
         torch.compile(fn, backend=be)(torch.randn(256, 1024), torch.randn(1024, 1024))
     (site,) = [s for s in _sites(be).values() if s.pattern == "all_gather_matmul"]
-    return {"numbers": site.details["predicted"]["numbers"], "measured": len(calls),
-            "warned": any("corrupt measurement cache" in str(w.message) for w in seen)}
+    return {
+        "numbers": site.details["predicted"]["numbers"],
+        "measured": len(calls),
+        "warned": any("corrupt measurement cache" in str(w.message) for w in seen),
+    }
 
 
 @pytest.mark.distributed
@@ -166,8 +177,9 @@ def mismatch_job() -> str:
     torch._dynamo.reset()
     try:
         with _Patched(100e6):
-            torch.compile(fn, backend=overlapc.backend(inner="eager", measure=True))(torch.randn(64 + 64 * dist.get_rank(), 32),
-                                                                       torch.randn(32, 32))
+            torch.compile(fn, backend=overlapc.backend(inner="eager", measure=True))(
+                torch.randn(64 + 64 * dist.get_rank(), 32), torch.randn(32, 32)
+            )
     except Exception as e:  # dynamo wraps backend errors
         cause = e
         while cause is not None and not isinstance(cause, OverlapError):

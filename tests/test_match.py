@@ -3,6 +3,7 @@
 Each program is traced by Dynamo + AOTAutograd exactly as the backend would; the
 finders then run on the captured graphs alone.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -36,19 +37,25 @@ def _group():
 
 def _skip_inner_gathers_on_torch_2_11():
     if torch.__version__ < (2, 12):
-        pytest.skip("torch 2.11's Dynamo graph-breaks on funcol.all_gather_tensor with gather_dim != 0 "
-                    "(it skips torch._utils._maybe_view_chunk_cat): the gather runs outside the graph")
+        pytest.skip(
+            "torch 2.11's Dynamo graph-breaks on funcol.all_gather_tensor with gather_dim != 0 "
+            "(it skips torch._utils._maybe_view_chunk_cat): the gather runs outside the graph"
+        )
 
 
 # ---------------------------------------------------------------- all-gather -> matmul
 
-@pytest.mark.parametrize("shape,dim,role", [
-    ((16, 32), 0, "rows"),         # 2-D, gather rows
-    ((16, 32), 1, "contraction"),  # 2-D, gather the contraction dim
-    ((2, 8, 32), 0, "rows"),       # 3-D, gather batch: flattens into rows
-    ((2, 8, 32), 1, "rows"),       # 3-D, gather sequence (split + cat idiom)
-    ((2, 8, 32), 2, "contraction"),
-])
+
+@pytest.mark.parametrize(
+    "shape,dim,role",
+    [
+        ((16, 32), 0, "rows"),  # 2-D, gather rows
+        ((16, 32), 1, "contraction"),  # 2-D, gather the contraction dim
+        ((2, 8, 32), 0, "rows"),  # 3-D, gather batch: flattens into rows
+        ((2, 8, 32), 1, "rows"),  # 3-D, gather sequence (split + cat idiom)
+        ((2, 8, 32), 2, "contraction"),
+    ],
+)
 def test_all_gather_matmul_dims(fake_mesh8, shape, dim, role):
     if dim:
         _skip_inner_gathers_on_torch_2_11()
@@ -125,13 +132,14 @@ def test_gather_without_matmul(fake_mesh8):
 
 def test_finder_alone(fake_mesh8):
     """find_*_sites runs on a captured graph without the rest of the pipeline."""
+
     def fn(x, w):
         g = funcol.all_gather_tensor(x, gather_dim=0, group=_group())
         y = g @ w
         return funcol.reduce_scatter_tensor(y, "sum", scatter_dim=0, group=_group())
 
     _, graphs = capture(fn, torch.randn(4, 32), torch.randn(32, 16), options=NONE)
-    (kind, gm), = graphs
+    ((kind, gm),) = graphs
     deps = DepGraph(gm.graph)
     ag, loose = find_all_gather_matmul_sites(gm.graph, deps)
     rs, loose2 = find_matmul_reduce_scatter_sites(gm.graph, deps)
@@ -142,6 +150,7 @@ def test_finder_alone(fake_mesh8):
 
 
 # ---------------------------------------------------------------- matmul -> reduce-scatter / all-reduce
+
 
 @pytest.mark.parametrize("scatter_dim", [0, 1])
 def test_matmul_reduce_scatter(fake_mesh8, scatter_dim):
@@ -207,6 +216,7 @@ def test_no_collectives(fake_mesh8):
 
 def test_backward_sites_of_function(fake_mesh8):
     """A function with inputs that require grad: backward graph sites are found too."""
+
     def fn(x, w):
         g = funcol.all_gather_tensor(x, gather_dim=0, group=_group())
         return g @ w
@@ -216,4 +226,6 @@ def test_backward_sites_of_function(fake_mesh8):
     report = explain(fn, x, w)
     # backward: dx = RS(dy @ w^T), the mirror of the forward all-gather
     assert [(s.graph, s.pattern) for s in report.sites] == [
-        ("forward", "all_gather_matmul"), ("backward", "matmul_reduce_scatter")]
+        ("forward", "all_gather_matmul"),
+        ("backward", "matmul_reduce_scatter"),
+    ]

@@ -12,6 +12,7 @@ Tolerances:
   rounded partials), so overlapc is compared with an fp32 evaluation of the same bf16
   weights: its error may not exceed twice eager bf16's plus one bf16 ulp of the largest value.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,8 +31,11 @@ def _run(model, tokens, seed, fn=None):
     out = out.to_local() if hasattr(out, "to_local") else out
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
     (out * w).sum().backward()
-    grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
-             for n, p in model.named_parameters() if p.grad is not None}
+    grads = {
+        n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
     return {"output": out.detach(), **grads}
 
 
@@ -53,19 +57,24 @@ def microbatch_job(config: dict) -> dict:
         truth, _ = llama.build_tp_sp(mesh, **kw)
         exact = _run(truth.float(), tokens, seed=3)
         for k, v in exact.items():
-            ulp = v.abs().max().item() * 2 ** -8
+            ulp = v.abs().max().item() * 2**-8
             errs[k] = ((got[k].float() - v).abs().max().item(), (want[k].float() - v).abs().max().item(), ulp)
     else:
         # inductor also fuses the norms' reductions and pointwise ops (another summation order)
         rtol = 1e-4 if config["options"].get("inner") == "inductor" else 1e-5
         assert got.keys() == want.keys()
         for k in want:
-            torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=1e-5,
-                                       msg=lambda m: f"rank {dist.get_rank()} {k}: {m}")
-    cuts = sorted((s.graph, s.status, s.chunks, len(s.details.get("collectives", [])))
-                  for s in be.report.sites if s.pattern == "microbatch")
-    sites = sorted({(s.graph, s.pattern, s.status) for s in be.report.sites
-                    if s.pattern not in ("microbatch", "collective")})
+            torch.testing.assert_close(
+                got[k], want[k], rtol=rtol, atol=1e-5, msg=lambda m: f"rank {dist.get_rank()} {k}: {m}"
+            )
+    cuts = sorted(
+        (s.graph, s.status, s.chunks, len(s.details.get("collectives", [])))
+        for s in be.report.sites
+        if s.pattern == "microbatch"
+    )
+    sites = sorted(
+        {(s.graph, s.pattern, s.status) for s in be.report.sites if s.pattern not in ("microbatch", "collective")}
+    )
     return {"cuts": cuts, "sites": sites, "errs": errs}
 
 
@@ -192,6 +201,7 @@ def test_microbatches_structure(fake_mesh8):
 
     def modules(rep):
         return sorted(s.module for s in rep.sites if s.pattern not in ("collective", "microbatch"))
+
     assert modules(sliced) == sorted(2 * modules(plain))
     cuts = [s for s in sliced.sites if s.pattern == "microbatch"]
     assert {(s.graph, s.status, s.chunks) for s in cuts} == {("forward", "rewritten", 2), ("backward", "rewritten", 2)}
@@ -235,12 +245,18 @@ def test_microbatch_region_goes_through_cuda_fused_attention(fake_mesh8, monkeyp
 
     def cut(kind):
         if kind is not None:
-            monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                                lambda q, k, v, is_causal=False: sdpa_doubles.call(kind, q, k, v, is_causal))
+            monkeypatch.setattr(
+                torch.nn.functional,
+                "scaled_dot_product_attention",
+                lambda q, k, v, is_causal=False: sdpa_doubles.call(kind, q, k, v, is_causal),
+            )
         model, inputs = llama.build_tp_sp(fake_mesh8, n_layers=1, batch=2)
         report = overlapc.explain(model, *inputs, options={"strategy": "none", "microbatches": 2})
-        return sorted((s.graph, s.status, s.chunks, s.details["collectives"], s.details["sums_after_slices"])
-                      for s in report.sites if s.pattern == "microbatch")
+        return sorted(
+            (s.graph, s.status, s.chunks, s.details["collectives"], s.details["sums_after_slices"])
+            for s in report.sites
+            if s.pattern == "microbatch"
+        )
 
     cpu = cut(None)
     assert [c[:3] for c in cpu] == [("backward", "rewritten", 2), ("forward", "rewritten", 2)], cpu

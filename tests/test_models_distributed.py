@@ -13,6 +13,7 @@ strategy "decompose" rewrites every site, whatever its size. Tolerances, fp32:
   so differences are a few ulp of the largest partial sum: rtol 1.6e-2 (torch's bf16
   default), atol 2 ulp of the largest reference value (2^-6 * max|ref|, at least 2e-2).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -62,17 +63,19 @@ def check_model(builder: str, inner: str, options: dict | None = None, **build_k
     compiled = torch.compile(model, backend="overlapc", options=opts)
     ref_out = _step(ref_model, ref_inputs, seed=7)
     out = _step(compiled, inputs, seed=7)
+
     def tol(ref):
         if ref.dtype != torch.bfloat16:
             return TOL[inner]
-        return dict(rtol=1.6e-2, atol=max(2e-2, 2 ** -6 * ref.abs().max().item()))
+        return dict(rtol=1.6e-2, atol=max(2e-2, 2**-6 * ref.abs().max().item()))
 
     torch.testing.assert_close(out, ref_out, **tol(ref_out), msg=lambda m: f"rank {dist.get_rank()} forward: {m}")
     ref_g, got_g = _grads(ref_model, ref_inputs), _grads(model, inputs)
     assert ref_g.keys() == got_g.keys(), (ref_g.keys(), got_g.keys())
     for name in ref_g:
-        torch.testing.assert_close(got_g[name], ref_g[name], **tol(ref_g[name]),
-                                   msg=lambda m: f"rank {dist.get_rank()} grad {name}: {m}")
+        torch.testing.assert_close(
+            got_g[name], ref_g[name], **tol(ref_g[name]), msg=lambda m: f"rank {dist.get_rank()} grad {name}: {m}"
+        )
     report = overlapc.last_report()
     sites = [s for s in report.sites if s.pattern != "collective"]
     assert sites, str(report)

@@ -1,6 +1,7 @@
 """The cost model and planner (passes/cost.py, passes/plan.py), profiles, `overlapc plan`
 and `overlapc calibrate`. Predictions are checked against the formulas, not against
 timings (those are in benchmarks/bench_plan.py)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -78,8 +79,9 @@ def test_symbolic_shapes_give_expressions_that_agree_with_numbers():
     nbytes, flops = rows * 4096 * 2, 2 * rows * 8 * 4096 * 1024
     expr = cost.t_pipeline(True, flops, "all_gather", nbytes, 8, g, p, 4, copy_bytes=rows * 8 * 1024 * 2)
     assert expr.free_symbols == {s0}
-    num = cost.t_pipeline(True, flops.subs(s0, 4), "all_gather", nbytes.subs(s0, 4), 8, g, p, 4,
-                          copy_bytes=4 * 512 * 8 * 1024 * 2)
+    num = cost.t_pipeline(
+        True, flops.subs(s0, 4), "all_gather", nbytes.subs(s0, 4), 8, g, p, 4, copy_bytes=4 * 512 * 8 * 1024 * 2
+    )
     assert float(expr.subs(s0, 4)) == pytest.approx(float(num))
 
 
@@ -87,8 +89,14 @@ def test_flow_is_the_issue_order_recurrence():
     # Two stages (AG -> GEMM): transfers back to back, GEMM i after transfer i and GEMM i-1.
     evs, end = cost.flow([[1, 1, 1], [5, 0.1, 0.1]], ["comm", "compute"])
     assert float(end) == pytest.approx(6.2)  # 1 + 5 + 0.1 + 0.1: the first GEMM holds the rest up
-    assert [(s, i, float(t0)) for s, i, t0, _ in evs] == [(0, 0, 0), (0, 1, 1), (0, 2, 2), (1, 0, 1), (1, 1, 6),
-                                                         (1, 2, 6.1)]
+    assert [(s, i, float(t0)) for s, i, t0, _ in evs] == [
+        (0, 0, 0),
+        (0, 1, 1),
+        (0, 2, 2),
+        (1, 0, 1),
+        (1, 1, 6),
+        (1, 2, 6.1),
+    ]
     # Three stages on two lanes (MoE: dispatch, experts, combine): the combines queue behind
     # every dispatch on the one comm lane.
     evs, end = cost.flow([[1, 1], [3, 3], [1, 1]], ["comm", "compute", "comm"])
@@ -119,7 +127,7 @@ def test_comm_loss_lengthens_a_transfer_by_the_gemms_under_it():
     p = dataclasses.replace(cost.load_profile("h100-nvlink"), comm_loss={"reduce_scatter": 0.5})
     assert cost.comm_loss_of("all_reduce", p) == 0.5 and cost.comm_loss_of("all_gather", p) == 0.0
     assert cost.comm_loss_of("gemm", p) == 0.0
-    st = [cost.Stage("compute", "gemm", 2 * 4096 ** 3), cost.Stage("comm", "reduce_scatter", 64 << 20)]
+    st = [cost.Stage("compute", "gemm", 2 * 4096**3), cost.Stage("comm", "reduce_scatter", 64 << 20)]
     g = p.gemm["bfloat16"]
     lossless = dataclasses.replace(p, comm_loss={})
     assert float(cost.t_stages(st, 8, g, p, 4)) > float(cost.t_stages(st, 8, g, lossless, 4))
@@ -134,9 +142,14 @@ def test_loaded_latency_is_paid_by_chunks_only():
     lat = float(cost.t_comm("all_reduce", 0, 8, p))
     assert lat > 0
     fr = cost.chunk_fracs(4)
-    idle, busy = cost.stage_times(st, fr, 8, p.gemm["bfloat16"], p), cost.stage_times(st, fr, 8, p.gemm["bfloat16"], loaded)
+    idle, busy = (
+        cost.stage_times(st, fr, 8, p.gemm["bfloat16"], p),
+        cost.stage_times(st, fr, 8, p.gemm["bfloat16"], loaded),
+    )
     assert [float(b - i) for i, b in zip(idle, busy)] == pytest.approx([2 * lat] * 4)
-    assert cost.stage_times(st, [1], 8, p.gemm["bfloat16"], loaded) == cost.stage_times(st, [1], 8, p.gemm["bfloat16"], p)
+    assert cost.stage_times(st, [1], 8, p.gemm["bfloat16"], loaded) == cost.stage_times(
+        st, [1], 8, p.gemm["bfloat16"], p
+    )
     ag = cost.Stage("comm", "all_gather", 1 << 20)
     assert cost.stage_times(ag, fr, 8, p.gemm["bfloat16"], loaded) == cost.stage_times(ag, fr, 8, p.gemm["bfloat16"], p)
     # read from a profile file's dict; values below 1 mean "not slower"
@@ -154,7 +167,9 @@ def test_fresh_outputs_page_fault_in_the_baseline_not_in_small_chunks():
     fr = cost.chunk_fracs(4)
     rs = cost.Stage("compute", "gemm", f, 1, 4096, out_bytes=out)
     bare = dataclasses.replace(rs, out_bytes=0)
-    assert float(cost.stage_times(rs, [1], 8, g, p)[0] - cost.stage_times(bare, [1], 8, g, p)[0]) == pytest.approx(out / 1e9)
+    assert float(cost.stage_times(rs, [1], 8, g, p)[0] - cost.stage_times(bare, [1], 8, g, p)[0]) == pytest.approx(
+        out / 1e9
+    )
     assert cost.stage_times(rs, fr, 8, g, p) == cost.stage_times(bare, fr, 8, g, p)
     ag = dataclasses.replace(rs, out_whole=True)
     extra = sum(float(a - b) for a, b in zip(cost.stage_times(ag, fr, 8, g, p), cost.stage_times(bare, fr, 8, g, p)))
@@ -229,7 +244,8 @@ def test_a_chunks_several_all_to_alls_hide_what_is_beyond_the_link_rate():
     # Whole (the baseline waits on each) and one collective per chunk: as before.
     assert float(cost.stage_times(qkv, [1], 2, None, p)[0]) == pytest.approx(3 * 0.092)
     assert cost.stage_times(one, cost.chunk_fracs(2), 2, None, p) == cost.stage_times(
-        one, cost.chunk_fracs(2), 2, None, serial)
+        one, cost.chunk_fracs(2), 2, None, serial
+    )
     # Without a curve the excess is the formula's latency.
     ab = dataclasses.replace(p, curves={})
     lat = float(cost.t_comm("all_to_all", 0, 2, ab))
@@ -308,8 +324,9 @@ def _balanced_profile(tmp_path) -> str:
 def test_auto_overlaps_large_sites_with_the_models_chunk_count(fake_mesh8, tmp_path):
     from overlapc.models import llama
 
-    model, inputs = llama.build_tp_sp(fake_mesh8, n_layers=1, dim=2048, n_heads=16, ffn_dim=5632, seq=4096,
-                                      batch=1, dtype="bfloat16")
+    model, inputs = llama.build_tp_sp(
+        fake_mesh8, n_layers=1, dim=2048, n_heads=16, ffn_dim=5632, seq=4096, batch=1, dtype="bfloat16"
+    )
     # A profile (a file, as users pass their own) where this shape's transfers and GEMMs
     # take about as long: overlap pays.
     path = _balanced_profile(tmp_path)
@@ -330,9 +347,33 @@ def test_plan_cli_json_and_trace(tmp_path, capsys):
     from overlapc.cli import main
 
     trace = tmp_path / "plan.json"
-    rc = main(["plan", "overlapc.models.llama:build_tp_sp", "--world-size", "8", "--hardware", _balanced_profile(tmp_path),
-               "--arg", "dim=2048", "--arg", "n_heads=16", "--arg", "ffn_dim=5632", "--arg", "seq=4096",
-               "--arg", "batch=1", "--arg", "dtype='bfloat16'", "--arg", "n_layers=1", "--json", "--trace", str(trace)])
+    rc = main(
+        [
+            "plan",
+            "overlapc.models.llama:build_tp_sp",
+            "--world-size",
+            "8",
+            "--hardware",
+            _balanced_profile(tmp_path),
+            "--arg",
+            "dim=2048",
+            "--arg",
+            "n_heads=16",
+            "--arg",
+            "ffn_dim=5632",
+            "--arg",
+            "seq=4096",
+            "--arg",
+            "batch=1",
+            "--arg",
+            "dtype='bfloat16'",
+            "--arg",
+            "n_layers=1",
+            "--json",
+            "--trace",
+            str(trace),
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     rows = json.loads(out[: out.rindex("]") + 1])
@@ -348,6 +389,7 @@ def test_plan_cli_json_and_trace(tmp_path, capsys):
 
 def calibrate_job():
     from overlapc.calibrate import measure
+
     return measure(reps=3)
 
 
@@ -453,13 +495,16 @@ def _dropless_sites(mesh, profile, overrides=None, **kw):
     """The all-to-all sites of a dropless MoE training step, compiled for real (fake process
     group): its split sizes come from .tolist(), which explain()'s fake tensors cannot give."""
     if torch.__version__ < (2, 12):
-        pytest.skip("torch 2.11's fake process group leaves all_to_all_single's output unwritten "
-                    "(2.13's copies the input): the model's run-time split sizes would be garbage")
+        pytest.skip(
+            "torch 2.11's fake process group leaves all_to_all_single's output unwritten "
+            "(2.13's copies the input): the model's run-time split sizes would be garbage"
+        )
     from overlapc import Backend, Options
     from overlapc.models import moe
 
-    cfg = dict(tokens=64, dim=64, hidden=128, n_experts=8, top_k=2, form="dropless", expert_form="grouped",
-               dtype="bfloat16")
+    cfg = dict(
+        tokens=64, dim=64, hidden=128, n_experts=8, top_k=2, form="dropless", expert_form="grouped", dtype="bfloat16"
+    )
     cfg.update(kw)
     model, inputs = moe.build_ep(mesh, **cfg)
     be = Backend(Options(hardware=profile, overrides=overrides or {}))
@@ -482,7 +527,10 @@ def test_dropless_pipelines_are_priced_at_balanced_routing(fake_mesh8, tmp_path)
     pred = owner.details["predicted"]
     rows = cfg["tokens"] * cfg["top_k"]  # sent per rank, and received at balanced routing
     assert [(st["lane"], st["kind"]) for st in pred["stages"]] == [
-        ("comm", "all_to_all"), ("compute", "gemm"), ("comm", "all_to_all")]
+        ("comm", "all_to_all"),
+        ("compute", "gemm"),
+        ("comm", "all_to_all"),
+    ]
     assert pred["stages"][0]["amount"] == pred["stages"][2]["amount"] == rows * cfg["dim"] * 2  # bf16
     # w1, w3: (rows, dim) x (dim, hidden); w2: (rows, hidden) x (hidden, dim); one call each.
     assert pred["stages"][1]["amount"] == 3 * 2 * rows * cfg["dim"] * cfg["hidden"]
@@ -490,7 +538,9 @@ def test_dropless_pipelines_are_priced_at_balanced_routing(fake_mesh8, tmp_path)
     assert pred["extent"] is None and set(pred["by_chunks_ms"]) == {str(n) for n in range(2, 9)}
     # The combine follows the dispatch (one op runs both), with its decision.
     assert follower.details["modelled_with"] == owner.name
-    assert (owner.status, owner.chunks, follower.status, follower.chunks) == ("rewritten", pred["chunks"]) * 2, owner.reason
+    assert (owner.status, owner.chunks, follower.status, follower.chunks) == ("rewritten", pred["chunks"]) * 2, (
+        owner.reason
+    )
     # The backward sends the sum of the forward's run-time send splits (symbolic there),
     # which is always what the forward sent: priced like the forward, from its number, with
     # the tail's weight gradients run whole after the chunks.
@@ -518,8 +568,14 @@ def test_dropless_pipelines_are_priced_at_balanced_routing(fake_mesh8, tmp_path)
     assert "a dropless pipeline of 3 GEMMs, 128 rows sent per rank" in owner.reason
     assert follower.status == "skipped" and follower.reason.startswith(f"in the pipeline of {owner.name}: ")
     # One op runs both all-to-alls or neither: the combine left alone keeps the dispatch too.
-    _, sites = _dropless_sites(fake_mesh8, str(tmp_path / "flat.json"), tokens=4096, dim=256, hidden=256,
-                               overrides={"forward:*:matmul_all_to_all": {"strategy": "none"}})
+    _, sites = _dropless_sites(
+        fake_mesh8,
+        str(tmp_path / "flat.json"),
+        tokens=4096,
+        dim=256,
+        hidden=256,
+        overrides={"forward:*:matmul_all_to_all": {"strategy": "none"}},
+    )
     owner, follower = [s for s in sites if s.graph == "forward"]
     assert follower.status == "found" and owner.status == "skipped", (owner.status, owner.reason)
     assert f"other all-to-all, {follower.name.split(':')[1]}, is left alone" in owner.reason
@@ -532,8 +588,13 @@ def test_moe_axis_is_the_models_choice(fake_mesh8, tmp_path, half_rows, batched,
     rows term the model prefers experts; without, the finer slot pipeline. The experts are
     bmm: the batched rows term (half_rows_batched) is theirs; 0 falls back to mm's."""
     prof = json.loads(open(_balanced_profile(tmp_path)).read())
-    prof["gemm"]["float32"] = {"peak_tflops": 20, "eff_max": 1.0, "half_gflop": 0.0, "half_rows": half_rows,
-                               "half_rows_batched": batched}
+    prof["gemm"]["float32"] = {
+        "peak_tflops": 20,
+        "eff_max": 1.0,
+        "half_gflop": 0.0,
+        "half_rows": half_rows,
+        "half_rows_batched": batched,
+    }
     prof["link"] = {"alpha_us": 1.0, "beta_gbps": 6}  # the all-to-alls about as long as the experts
     path = tmp_path / f"rows{half_rows}-{batched}.json"
     path.write_text(json.dumps(prof))

@@ -19,6 +19,7 @@ Tolerances (measured maxima are far below them, see test output with -s):
   ulp of the largest partial sum, not of the (possibly cancelled) result: atol grows to
   2 ulp of the largest reference value, 2^-6 * max|ref|.
 """
+
 from __future__ import annotations
 
 import math
@@ -148,8 +149,7 @@ def run_case(case) -> dict:
     ref_out, ref_grads = step(lambda a, b: fn(a, b, case["dim"], group), xs, ws)
     torch._dynamo.reset()
     # row chunks only: micro-batch slices (microbatches="auto") would take these sites in
-    be = overlapc.backend(inner=case.get("inner", "eager"), strategy="decompose", chunks=case["chunks"],
-                          microbatches=1)
+    be = overlapc.backend(inner=case.get("inner", "eager"), strategy="decompose", chunks=case["chunks"], microbatches=1)
     compiled = torch.compile(lambda a, b: fn(a, b, case["dim"], group), backend=be, fullgraph=True)
     out, grads = step(compiled, xs, ws)
 
@@ -161,7 +161,7 @@ def run_case(case) -> dict:
         what = f"rank {rank} {case} {'output' if i < len(out) else 'grad'} {i}"
         tol = dict(TOL[dtype])
         if dtype == torch.bfloat16 and case["program"] in ("col_ar", "par_ar"):
-            tol["atol"] = max(tol["atol"], 2 ** -6 * b.abs().max().item())
+            tol["atol"] = max(tol["atol"], 2**-6 * b.abs().max().item())
         torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{what}: {m}")
         err = max(err, (a.float() - b.float()).abs().max().item())
     return {"max_abs_err": err, "chunks": sorted({s.chunks for s in be.report.sites if s.chunks})}
@@ -211,8 +211,19 @@ def test_rewrites_match_eager(world_name, request):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_rewrites_match_eager_inductor(world2):
-    cases = [dict(program=p, shape=(2, 8, 16), dim=1, n_mm=2 if p != "ag_mm" else 3, n=24, chunks=3,
-                  dtype="fp32", inner="inductor") for p in PROGRAMS]
+    cases = [
+        dict(
+            program=p,
+            shape=(2, 8, 16),
+            dim=1,
+            n_mm=2 if p != "ag_mm" else 3,
+            n=24,
+            chunks=3,
+            dtype="fp32",
+            inner="inductor",
+        )
+        for p in PROGRAMS
+    ]
     world2.run(run_cases, cases)
 
 
@@ -225,8 +236,8 @@ def no_site_job():
     w = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
 
     def fn(x, w):
-        g = funcol.all_gather_tensor(x, gather_dim=0, group=group)   # no matmul consumer
-        y = x @ w                                                    # no collective
+        g = funcol.all_gather_tensor(x, gather_dim=0, group=group)  # no matmul consumer
+        y = x @ w  # no collective
         return torch.relu(g), funcol.all_reduce(y.relu(), "sum", group)  # AR of a non-matmul
 
     be = overlapc.backend(inner="eager")
@@ -258,13 +269,23 @@ def random_case(draw):
     if math.prod(shape[:-1]) < 2:  # a single row cannot be chunked
         shape[0] = 2
     dim = draw(st.integers(0, ndim - 2))
-    return dict(program=program, shape=tuple(shape), dim=dim, n_mm=draw(st.integers(1, 3)),
-                n=draw(st.sampled_from([8, 20])), chunks=draw(st.integers(2, 5)), dtype="fp32")
+    return dict(
+        program=program,
+        shape=tuple(shape),
+        dim=dim,
+        n_mm=draw(st.integers(1, 3)),
+        n=draw(st.sampled_from([8, 20])),
+        chunks=draw(st.integers(2, 5)),
+        dtype="fp32",
+    )
 
 
 @pytest.mark.distributed
-@settings(max_examples=int(__import__("os").environ.get("OVERLAPC_HYPOTHESIS_EXAMPLES", "15")), deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=int(__import__("os").environ.get("OVERLAPC_HYPOTHESIS_EXAMPLES", "15")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(case=random_case())
 def test_rewrites_property(world2, case):
     """Random shapes, dims, consumers and chunk counts on a reused world: zero mismatches."""

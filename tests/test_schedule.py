@@ -4,6 +4,7 @@ Structural checks on a fake process group (world size 8): after a rewrite, every
 chunk's collective is issued before the GEMMs that do not need it, each wait sits right
 before the first GEMM that needs it, and inductor's generated code keeps that order.
 """
+
 from __future__ import annotations
 
 import re
@@ -49,9 +50,17 @@ def test_list_schedule_comm_first_is_bounded():
     # Layer 1's dgrad feeds layer 0's compute. Comm-first runs dgrad before wgrad so the
     # reduce-scatter is on the wire during wgrad; wgrad1 must not slide past layer 0.
     items = ["g1", "wgrad1", "dgrad1", "rs1", "wait1", "wgrad0", "dgrad0", "rs0", "wait0", "out"]
-    preds = {"wgrad1": ["g1"], "dgrad1": ["g1"], "rs1": ["dgrad1"], "wait1": ["rs1"],
-             "wgrad0": ["dgrad1"], "dgrad0": ["dgrad1"], "rs0": ["dgrad0"], "wait0": ["rs0"],
-             "out": ["wait1", "wait0", "wgrad1", "wgrad0"]}
+    preds = {
+        "wgrad1": ["g1"],
+        "dgrad1": ["g1"],
+        "rs1": ["dgrad1"],
+        "wait1": ["rs1"],
+        "wgrad0": ["dgrad1"],
+        "dgrad0": ["dgrad1"],
+        "rs0": ["dgrad0"],
+        "wait0": ["rs0"],
+        "out": ["wait1", "wait0", "wgrad1", "wgrad0"],
+    }
     early, late = {"rs1", "rs0"}, {"wait1", "wait0"}
     plain = list_schedule(items, preds, early, late)
     assert plain.index("wgrad1") < plain.index("dgrad1"), "without collectives: original order"
@@ -83,7 +92,7 @@ def test_schedule_keeps_the_signature(fake_mesh8):
 def test_rewritten_graph_order(fake_mesh8):
     report, graphs = capture(ag_mm_rs, *_inputs(), options={"strategy": "decompose", "chunks": CHUNKS})
     assert [s.status for s in report.sites] == ["rewritten", "rewritten"]
-    (_, gm), = graphs
+    ((_, gm),) = graphs
     seq = [n for n in gm.graph.nodes if n.op == "call_function"]
     ags = [n for n in seq if n.target is ops.ALL_GATHER]
     waits = [ops.wait_of(n) for n in ags]
@@ -117,18 +126,21 @@ def test_row_chunks_chain_from_gather_to_scatter(fake_mesh8):
     """AG -> mm -> relu -> mm -> RS with the same row layout (an MLP): reduce-scatter chunk
     c reads gathered range c's GEMM through relu, so it waits for no later range."""
     report, graphs = capture(ag_mm_rs, *_inputs(), options={"strategy": "decompose", "chunks": CHUNKS})
-    (_, gm), = graphs
+    ((_, gm),) = graphs
     seq = list(gm.graph.nodes)
     waits = [ops.wait_of(n) for n in seq if n.target is ops.ALL_GATHER]
     rss = [n for n in seq if n.target is ops.REDUCE_SCATTER]
     for c, rs in enumerate(rss):
         anc = _ancestors(rs)
         assert waits[c] in anc, f"scatter chunk {c} computes from gathered range {c}"
-        assert not anc & set(waits[c + 1:]), f"scatter chunk {c} waits for a later gathered range"
+        assert not anc & set(waits[c + 1 :]), f"scatter chunk {c} waits for a later gathered range"
     # Not chained when the layouts differ: 2 chunks for the scatter, 3 for the gather.
-    report, graphs = capture(ag_mm_rs, *_inputs(), options={
-        "strategy": "decompose", "chunks": CHUNKS, "overrides": {"*matmul_reduce_scatter": {"chunks": 2}}})
-    (_, gm), = graphs
+    report, graphs = capture(
+        ag_mm_rs,
+        *_inputs(),
+        options={"strategy": "decompose", "chunks": CHUNKS, "overrides": {"*matmul_reduce_scatter": {"chunks": 2}}},
+    )
+    ((_, gm),) = graphs
     seq = list(gm.graph.nodes)
     waits = [ops.wait_of(n) for n in seq if n.target is ops.ALL_GATHER]
     first_rs = next(n for n in seq if n.target is ops.REDUCE_SCATTER)
@@ -142,7 +154,7 @@ def test_gloo_all_gathers_are_chained(fake_mesh8, monkeypatch):
     monkeypatch.setattr(ops, "group_backend", lambda name: "gloo")
     monkeypatch.setattr(ops, "group_comm_threads", lambda name: 2)
     report, graphs = capture(ag_mm_rs, *_inputs(), options={"strategy": "decompose", "chunks": CHUNKS})
-    (_, gm), = graphs
+    ((_, gm),) = graphs
     seq = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(seq)}
     ags = [n for n in seq if n.target is ops.ALL_GATHER]
@@ -176,11 +188,18 @@ def test_inductor_keeps_the_overlap(fake_mesh8):
     fn = torch.compile(ag_mm_rs, backend=be)
     _, codes = run_and_get_code(fn, *_inputs())
     code = "\n".join(codes)
-    lines = [ln.strip() for ln in code.splitlines()
-             if "all_gather_into_tensor.default(" in ln or "wait_tensor.default(" in ln
-             or "extern_kernels.mm(" in ln or "reduce_scatter_tensor.default(" in ln]
-    kinds = ["ag" if "all_gather" in ln else "rs" if "reduce_scatter" in ln else "wait" if "wait" in ln else "mm"
-             for ln in lines]
+    lines = [
+        ln.strip()
+        for ln in code.splitlines()
+        if "all_gather_into_tensor.default(" in ln
+        or "wait_tensor.default(" in ln
+        or "extern_kernels.mm(" in ln
+        or "reduce_scatter_tensor.default(" in ln
+    ]
+    kinds = [
+        "ag" if "all_gather" in ln else "rs" if "reduce_scatter" in ln else "wait" if "wait" in ln else "mm"
+        for ln in lines
+    ]
     # every gather issued up front, then: wait, GEMM(s) of that chunk, wait, GEMM(s), ...
     assert kinds[:CHUNKS] == ["ag"] * CHUNKS, kinds
     first_mm = kinds.index("mm")
@@ -189,7 +208,7 @@ def test_inductor_keeps_the_overlap(fake_mesh8):
     last_mm = len(kinds) - 1 - kinds[::-1].index("mm")
     rs_pos = [i for i, k in enumerate(kinds) if k == "rs"]
     assert len(rs_pos) == CHUNKS and rs_pos[0] < last_mm, kinds
-    assert all(k == "wait" for k in kinds[last_mm + 1:] if k != "rs"), kinds
+    assert all(k == "wait" for k in kinds[last_mm + 1 :] if k != "rs"), kinds
     assert re.search(r"reduce_scatter_tensor\.default\(", code)
 
 

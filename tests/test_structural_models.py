@@ -2,6 +2,7 @@
 
 Each expected count is derived in a comment from the model's parallel plan.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -74,8 +75,9 @@ def test_tp_sp_backward_mirrors(tp_sp_report):
         # the weight-grad mm (gathered^T @ x: the gathered dim is contracted).
         roles = sorted(s.details["roles"].values())
         assert roles == ["lhs:contraction", "lhs:rows"], roles
-    summed = [s for s in tp_sp_report.by(graph="backward", pattern="matmul_reduce_scatter")
-              if s.details["producer"] == "sum"]
+    summed = [
+        s for s in tp_sp_report.by(graph="backward", pattern="matmul_reduce_scatter") if s.details["producer"] == "sum"
+    ]
     # q/k/v and gate/up dgrads per layer are sums.
     assert sorted(len(s.matmuls) for s in summed) == [2] * L + [3] * L
 
@@ -100,8 +102,12 @@ def test_tp_counts(tp_report):
 def _all_reduce_bytes(gm) -> int:
     """Bytes this rank all-reduces in a graph, counted from its all-reduce nodes."""
     from overlapc.passes import ops
-    return sum(ops.val(n.args[0]).numel() * ops.val(n.args[0]).element_size()
-               for n in gm.graph.nodes if n.target is ops.ALL_REDUCE)
+
+    return sum(
+        ops.val(n.args[0]).numel() * ops.val(n.args[0]).element_size()
+        for n in gm.graph.nodes
+        if n.target is ops.ALL_REDUCE
+    )
 
 
 @pytest.mark.parametrize("strategy", ["auto", "decompose"])
@@ -140,8 +146,9 @@ def test_moe_counts(fake_mesh8, form):
     assert len(fw.matmuls) == 2  # w1 and w3 (8 experts over 8 ranks: one local expert)
 
 
-@pytest.mark.parametrize("form,dtype", [("bmm", "float32"), ("loop", "float32"), ("bmm", "bfloat16"),
-                                        ("grouped", "bfloat16")])
+@pytest.mark.parametrize(
+    "form,dtype", [("bmm", "float32"), ("loop", "float32"), ("bmm", "bfloat16"), ("grouped", "bfloat16")]
+)
 def test_moe_decomposed_along_capacity(fake_mesh8, form, dtype):
     """Each dispatch all-to-all is chunked along the capacity slots (Axis(0, cap): 8 experts
     over 8 ranks leave one local expert, so chunking experts is impossible) and its combine
@@ -171,6 +178,7 @@ def test_moe_decomposed_along_capacity(fake_mesh8, form, dtype):
     # backward the combine's gradient) issues chunk c + 1 only after chunk c's wait.
     from overlapc.passes import ops
     from overlapc.passes.schedule import issue_after
+
     for kind, g in graphs:
         nodes = list(g.graph.nodes)
         pos = {n.name: i for i, n in enumerate(nodes)}
@@ -187,10 +195,15 @@ def test_ulysses_one_region_per_graph(fake_mesh8):
     mirror. The first site of each graph takes all four all-to-alls into one region
     chunked along the local heads; the others are reported as chained into it."""
     from overlapc.models import ulysses
+
     model, inputs = ulysses.build_ulysses(fake_mesh8, batch=2, seq=64, dim=256, n_heads=32)
     report = overlapc.explain(model, *inputs, options={"strategy": "decompose", "chunks": 4})
-    assert counts(report) == {"forward/matmul_all_to_all": 3, "forward/all_to_all_matmul": 1,
-                              "backward/matmul_all_to_all": 1, "backward/all_to_all_matmul": 3}
+    assert counts(report) == {
+        "forward/matmul_all_to_all": 3,
+        "forward/all_to_all_matmul": 1,
+        "backward/matmul_all_to_all": 1,
+        "backward/all_to_all_matmul": 3,
+    }
     for graph in ("forward", "backward"):
         first, *rest = [s for s in report.sites if s.graph == graph]
         assert first.status == "rewritten" and len(first.details["chained"]) == 3, str(report)
@@ -207,6 +220,7 @@ def test_ulysses_gqa_one_region_per_graph(fake_mesh8, gqa):
     the 2 local k/v heads (query heads in pairs). Before, each all-to-all had a region of
     its own, ending at attention."""
     from overlapc.models import ulysses
+
     model, inputs = ulysses.build_ulysses(fake_mesh8, batch=1, seq=64, dim=256, n_heads=32, n_kv_heads=16, gqa=gqa)
     report = overlapc.explain(model, *inputs, options={"strategy": "decompose", "chunks": 4})
     for graph in ("forward", "backward"):
@@ -218,8 +232,11 @@ def test_ulysses_gqa_one_region_per_graph(fake_mesh8, gqa):
 
 def test_ulysses_config_errors():
     from overlapc.models import ulysses
-    for kw, msg in ((dict(n_kv_heads=3), "n_kv_heads=3 does not divide n_heads=8"),
-                    (dict(gqa="mqa"), "gqa='mqa': expected 'repeat' or 'sdpa'")):
+
+    for kw, msg in (
+        (dict(n_kv_heads=3), "n_kv_heads=3 does not divide n_heads=8"),
+        (dict(gqa="mqa"), "gqa='mqa': expected 'repeat' or 'sdpa'"),
+    ):
         with pytest.raises(ValueError, match=msg):
             ulysses.UlyssesAttention(ulysses.UlyssesConfig(**kw))
 
@@ -279,6 +296,7 @@ def test_partial_sums_become_addmm_chains(fake_mesh8, on):
     all-to-all wait that its mm followed); off: mm then add, as the rewrite built them."""
     from overlapc.models import ulysses
     from overlapc.passes import ops
+
     model, inputs = ulysses.build_ulysses(fake_mesh8, batch=2, seq=64, dim=256, n_heads=32)
     _, graphs = capture(model, *inputs, options={"strategy": "decompose", "chunks": 4, "addmm_partials": on})
     (bw,) = [g for kind, g in graphs if kind == "backward"]
@@ -309,8 +327,9 @@ def test_failed_region_replay_leaves_graph_unchanged(fake_mesh8, monkeypatch):
     model, inputs = moe.build_ep(fake_mesh8, tokens=64)
     report = overlapc.explain(model, *inputs, options={"strategy": "decompose"})
     sites = [s for s in report.sites if s.pattern != "collective"]
-    assert len(sites) == 4 and all(s.status == "skipped" and "chunk shape refused" in s.reason
-                                   for s in sites), str(report)
+    assert len(sites) == 4 and all(s.status == "skipped" and "chunk shape refused" in s.reason for s in sites), str(
+        report
+    )
 
 
 def _a2a_program(group, variant):
@@ -325,24 +344,29 @@ def _a2a_program(group, variant):
         if variant == "self":  # the matmul's other operand is the received buffer too
             return torch.bmm(r3, r3.transpose(1, 2)).sum()
         return torch.bmm(r3, w).sum()
+
     return fn
 
 
-@pytest.mark.parametrize("variant,pattern,reason", [
-    ("uneven", "all_to_all_matmul", "uneven or run-time split sizes"),
-    ("self", "collective", "depends on the all-to-all itself"),
-])
+@pytest.mark.parametrize(
+    "variant,pattern,reason",
+    [
+        ("uneven", "all_to_all_matmul", "uneven or run-time split sizes"),
+        ("self", "collective", "depends on the all-to-all itself"),
+    ],
+)
 def test_unsupported_all_to_all_left_alone(fake_mesh8, variant, pattern, reason):
     import torch
+
     fn = _a2a_program(fake_mesh8.get_group(), variant)
-    report = overlapc.explain(fn, torch.randn(64, 16), torch.randn(8, 16, 4),
-                              options={"strategy": "decompose"})
+    report = overlapc.explain(fn, torch.randn(64, 16), torch.randn(8, 16, 4), options={"strategy": "decompose"})
     (site,) = report.by(pattern=pattern)
     assert site.status == "skipped" and reason in site.reason, str(report)
 
 
 def test_inference_graph(fake_mesh8):
     import torch
+
     model, inputs = llama.build_tp_sp(fake_mesh8, n_layers=1)
     with torch.no_grad():
         report = overlapc.explain(model, *inputs, options={"strategy": "none"})
@@ -353,10 +377,22 @@ def test_inference_graph(fake_mesh8):
 
 def test_report_json_and_table(tp_sp_report):
     import json
+
     d = json.loads(tp_sp_report.to_json())
     assert len(d["sites"]) == len(tp_sp_report.sites)
-    assert {"name", "pattern", "graph", "status", "reason", "strategy", "chunks", "group",
-            "collective", "matmuls", "shapes"} <= set(d["sites"][0])
+    assert {
+        "name",
+        "pattern",
+        "graph",
+        "status",
+        "reason",
+        "strategy",
+        "chunks",
+        "group",
+        "collective",
+        "matmuls",
+        "shapes",
+    } <= set(d["sites"][0])
     table = str(tp_sp_report)
     assert "all_gather_matmul" in table and "layers.0.attention" in table
     names = [s.name for s in tp_sp_report.sites]
@@ -386,23 +422,36 @@ def test_auto_leaves_small_sites_alone(fake_mesh8):
     assert all("profile 'cpu-default'" in s.reason and s.details["predicted"]["gain"] < 0.03 for s in sites)
     assert [auto_chunks(n) for n in (16, 64, 96, 128, 100000)] == [2, 2, 3, 4, 4]
 
+
 def test_unmatched_overrides_are_listed(fake_mesh8, caplog):
     model, inputs = llama.build_tp_sp(fake_mesh8, n_layers=1)
-    report = overlapc.explain(model, *inputs, options={"strategy": "none", "overrides": {
-        "*:layers.*.attention.wo:*": {"chunks": 2}, "*:layers.*.attn.wo:*": {"chunks": 2}}})
+    report = overlapc.explain(
+        model,
+        *inputs,
+        options={
+            "strategy": "none",
+            "overrides": {"*:layers.*.attention.wo:*": {"chunks": 2}, "*:layers.*.attn.wo:*": {"chunks": 2}},
+        },
+    )
     assert report.unmatched_overrides == ["*:layers.*.attn.wo:*"]
     assert "overrides that matched no site: '*:layers.*.attn.wo:*'" in str(report)
     assert any("matched no site" in r.getMessage() and "attn.wo" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("raw,want", [
-    # torchtitan's parallelize replaces forward with a closure over the module
-    ("L['self']._modules['layers']._modules['0']._modules['attention'].forward.__closure__[0].cell_contents"
-     ".__self__._modules['wo']", "layers.0.attention.wo"),
-    ("L['self'].layers['0']._checkpoint_wrapped_module.attention.wq", "layers.0.attention.wq"),  # AC wrapper
-    ("L['self']._orig_mod.layers.1.feed_forward", "layers.1.feed_forward"),  # an OptimizedModule inside
-    ("L['args'][0].model.layers.0.self_attn.o_proj", "model.layers.0.self_attn.o_proj"),  # transformers
-])
+@pytest.mark.parametrize(
+    "raw,want",
+    [
+        # torchtitan's parallelize replaces forward with a closure over the module
+        (
+            "L['self']._modules['layers']._modules['0']._modules['attention'].forward.__closure__[0].cell_contents"
+            ".__self__._modules['wo']",
+            "layers.0.attention.wo",
+        ),
+        ("L['self'].layers['0']._checkpoint_wrapped_module.attention.wq", "layers.0.attention.wq"),  # AC wrapper
+        ("L['self']._orig_mod.layers.1.feed_forward", "layers.1.feed_forward"),  # an OptimizedModule inside
+        ("L['args'][0].model.layers.0.self_attn.o_proj", "model.layers.0.self_attn.o_proj"),  # transformers
+    ],
+)
 def test_module_paths_are_user_fqns(raw, want):
     from torch.fx import Graph
 

@@ -4,6 +4,7 @@ an OverlapError naming its site (and, with inner="eager", its chunk) on the wait
 The job gives its group a 3 s timeout; both ranks run the compiled function once (compile,
 plan agreement, one good step); then rank 1 does not call it again, and rank 0 must fail
 within the timeout plus a grace, with the site in the message."""
+
 from __future__ import annotations
 
 import time
@@ -53,8 +54,9 @@ def hung_peer(inner: str, phase: str) -> dict:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("inner,phase", [("eager", "forward"), ("inductor", "forward"), ("eager", "backward"),
-                                         ("inductor", "backward")])
+@pytest.mark.parametrize(
+    "inner,phase", [("eager", "forward"), ("inductor", "forward"), ("eager", "backward"), ("inductor", "backward")]
+)
 def test_timeout_names_the_site(world2, inner, phase):
     res = world2.run(hung_peer, inner, phase, timeout=120)
     r0 = res[0]

@@ -9,6 +9,7 @@ order of each element's sums: last-bit differences).
 
 transformers and accelerate are optional test dependencies (scripts/setup.sh installs them).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -25,8 +26,15 @@ LAYERS = 2
 def tiny_llama(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(cfg).save_pretrained(path)
@@ -40,13 +48,19 @@ def _load(path):
 
     world = dist.get_world_size()
     return LlamaForCausalLM.from_pretrained(
-        path, distributed_config=DistributedConfig(tp_size=world, tp_plan="auto"),
-        device_mesh=init_device_mesh("cpu", (world,)), dtype=torch.float32)
+        path,
+        distributed_config=DistributedConfig(tp_size=world, tp_plan="auto"),
+        device_mesh=init_device_mesh("cpu", (world,)),
+        dtype=torch.float32,
+    )
 
 
 def _grads(model):
-    return {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
-            for n, p in model.named_parameters() if p.grad is not None}
+    return {
+        n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
 
 
 def check_hf(path: str, inner: str, options: dict) -> dict:
@@ -70,12 +84,15 @@ def check_hf(path: str, inner: str, options: dict) -> dict:
     ref_g, got_g = _grads(ref), _grads(model)
     assert ref_g.keys() == got_g.keys() and len(ref_g) == len(list(ref.parameters()))
     for name in ref_g:
-        torch.testing.assert_close(got_g[name], ref_g[name], rtol=1e-5, atol=1e-5,
-                                   msg=lambda m: f"rank {rank} grad {name}: {m}")
+        torch.testing.assert_close(
+            got_g[name], ref_g[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank} grad {name}: {m}"
+        )
     report = overlapc.last_report()
-    return {"coalesced": sorted(s.module for s in report.by(pattern="all_reduce_sum", status="rewritten")),
-            "rewritten": sorted(f"{s.graph}:{s.pattern}" for s in report.sites if s.status == "rewritten"),
-            "report": str(report)}
+    return {
+        "coalesced": sorted(s.module for s in report.by(pattern="all_reduce_sum", status="rewritten")),
+        "rewritten": sorted(f"{s.graph}:{s.pattern}" for s in report.sites if s.status == "rewritten"),
+        "report": str(report),
+    }
 
 
 EXPECT_COALESCED = sorted(f"model.layers.{i}.{m}" for i in range(LAYERS) for m in ("mlp", "self_attn"))

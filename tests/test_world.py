@@ -1,5 +1,6 @@
 """World: the reusable process pool that distributed tests, the demo and benchmarks share.
 Failures are loud and bounded: a rank's exception names the rank, a hang becomes a timeout."""
+
 from __future__ import annotations
 
 import time
@@ -30,10 +31,10 @@ def sleep_forever():
 @pytest.mark.distributed
 def test_world_reuse_errors_and_timeouts():
     with World(2, timeout=60) as w:
-        assert w.run(rank_sum, 1) == [3.0, 3.0]          # ranks 0 and 1: (0+1)+(1+1)
+        assert w.run(rank_sum, 1) == [3.0, 3.0]  # ranks 0 and 1: (0+1)+(1+1)
         with pytest.raises(WorldError, match=r"rank 1: ValueError: boom on purpose"):
             w.run(fail_on_rank1)
-        assert w.run(rank_sum, 0) == [1.0, 1.0]          # restarted after the failure
+        assert w.run(rank_sum, 0) == [1.0, 1.0]  # restarted after the failure
         t0 = time.monotonic()
         with pytest.raises(WorldTimeout, match="did not finish within 2 s"):
             w.run(sleep_forever, timeout=2)

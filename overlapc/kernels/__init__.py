@@ -3,6 +3,7 @@ symmetric memory (overlapc/runtime/symm.py). One source for CUDA and for the CPU
 they run under Triton's interpreter (``TRITON_INTERPRET=1``, set here when no CUDA device
 exists, before any kernel is defined: Triton reads it when ``@triton.jit`` runs).
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,10 +36,13 @@ def interpreter_problem(triton_version: str | None = None, numpy_version: str | 
             return None
         import numpy
         import triton
+
         triton_version, numpy_version = triton.__version__, numpy.__version__
     if _release(triton_version) < (3, 7) and _release(numpy_version) >= (2, 4):
-        return (f"Triton {triton_version}'s interpreter cannot run kernels with loops on NumPy {numpy_version} "
-                "(it needs NumPy < 2.4, or Triton >= 3.7)")
+        return (
+            f"Triton {triton_version}'s interpreter cannot run kernels with loops on NumPy {numpy_version} "
+            "(it needs NumPy < 2.4, or Triton >= 3.7)"
+        )
     return None
 
 
@@ -64,6 +68,7 @@ if INTERPRET:
 
 def tl_dtype(dtype: torch.dtype):
     import triton.language as tl
+
     table = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
     if dtype not in table:
         raise TypeError(f"fused kernels take float32, bfloat16 or float16, got {dtype}")

@@ -27,6 +27,7 @@ kernel waits only on producers in another thread (the AG copy engine) or another
 (overlapc/kernels/__init__.py makes Triton's standard library interpretable when it was
 imported before ``TRITON_INTERPRET`` was set.)
 """
+
 from __future__ import annotations
 
 import triton
@@ -75,14 +76,33 @@ def _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 @triton.jit
 def ag_gemm_consumer(
     # pointers
-    a_ptr, b_ptr, c_ptr, flag_ptr, abort_ptr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    flag_ptr,
+    abort_ptr,
     # sizes
-    M_L, N, K, WORLD, RANK, CHUNKS, CHUNK_ROWS, INNER, EPOCH,
+    M_L,
+    N,
+    K,
+    WORLD,
+    RANK,
+    CHUNKS,
+    CHUNK_ROWS,
+    INNER,
+    EPOCH,
     # strides (A is the contiguous buffer: row stride K)
-    stride_bk, stride_bn, stride_cm, stride_cn,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
     # meta-parameters
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     M = WORLD * M_L
     num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
@@ -110,8 +130,9 @@ def ag_gemm_consumer(
         rk = k0 + tl.arange(0, BLOCK_K)
         mask_k = rk < K
         a = tl.load(a_ptr + rm64[:, None] * K + rk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn,
-                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        b = tl.load(
+            b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn, mask=mask_k[:, None] & mask_n[None, :], other=0.0
+        )
         if UPCAST:  # the interpreter's dot has no bf16
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -127,24 +148,41 @@ def ag_gemm_consumer(
 @triton.jit
 def gemm_rs_producer(
     # pointers
-    a_ptr, b_ptr, buf_table_ptr, sig_table_ptr,
+    a_ptr,
+    b_ptr,
+    buf_table_ptr,
+    sig_table_ptr,
     # sizes
-    M_O, N, K, WORLD, RANK, INNER, EPOCH,
+    M_O,
+    N,
+    K,
+    WORLD,
+    RANK,
+    INNER,
+    EPOCH,
     # strides
-    stride_am, stride_ak, stride_bk, stride_bn,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
     # meta-parameters
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
 ):
     num_pid_m = (M_O + BLOCK_M - 1) // BLOCK_M
     num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
     tiles = num_pid_m * num_pid_n
     pid = tl.program_id(0)
-    owner = (RANK + 1 + pid // tiles) % WORLD   # the next rank's tiles first, the local ones last
+    owner = (RANK + 1 + pid // tiles) % WORLD  # the next rank's tiles first, the local ones last
     tile = pid % tiles
     pid_m, pid_n = _tile_ids(tile, num_pid_m, num_pid_n, GROUP_M)
 
-    j = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)   # owner-local rows
+    j = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # owner-local rows
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = j < M_O
     mask_n = rn < N
@@ -154,10 +192,14 @@ def gemm_rs_producer(
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         mask_k = rk < K
-        a = tl.load(a_ptr + row[:, None] * stride_am + rk[None, :] * stride_ak,
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn,
-                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        a = tl.load(
+            a_ptr + row[:, None] * stride_am + rk[None, :] * stride_ak,
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn, mask=mask_k[:, None] & mask_n[None, :], other=0.0
+        )
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -174,13 +216,23 @@ def gemm_rs_producer(
 @triton.jit
 def rs_reduce_consumer(
     # pointers
-    buf_ptr, out_ptr, flag_ptr, abort_ptr,
+    buf_ptr,
+    out_ptr,
+    flag_ptr,
+    abort_ptr,
     # sizes
-    M_O, N, WORLD, EPOCH,
+    M_O,
+    N,
+    WORLD,
+    EPOCH,
     # strides
-    stride_om, stride_on,
+    stride_om,
+    stride_on,
     # meta-parameters
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     num_pid_m = (M_O + BLOCK_M - 1) // BLOCK_M
     num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -195,8 +247,11 @@ def rs_reduce_consumer(
         _wait_flag(flag_ptr + src * tiles + tile, abort_ptr, EPOCH)
         offs = (src * M_O + j).to(tl.int64)[:, None] * N + rn[None, :]
         acc += tl.load(buf_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + j.to(tl.int64)[:, None] * stride_om + rn[None, :] * stride_on,
-             _downcast(acc, out_ptr.dtype.element_ty, UPCAST), mask=mask)
+    tl.store(
+        out_ptr + j.to(tl.int64)[:, None] * stride_om + rn[None, :] * stride_on,
+        _downcast(acc, out_ptr.dtype.element_ty, UPCAST),
+        mask=mask,
+    )
 
 
 # ------------------------------------------------------------------ configurations
@@ -205,9 +260,15 @@ def configs(M: int, N: int, K: int) -> list[dict]:
     if INTERPRET:  # the interpreter runs numpy per tile: few, mid-sized tiles are fastest
         return [dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)]
     out = []
-    for bm, bn, bk, w, s in [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4),
-                             (128, 128, 32, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
-                             (64, 64, 64, 4, 4)]:
+    for bm, bn, bk, w, s in [
+        (128, 256, 64, 8, 3),
+        (256, 128, 64, 8, 3),
+        (128, 128, 64, 4, 4),
+        (128, 128, 32, 4, 4),
+        (128, 64, 64, 4, 4),
+        (64, 128, 64, 4, 4),
+        (64, 64, 64, 4, 4),
+    ]:
         if bm <= max(16, triton.next_power_of_2(M)) * 2 and bn <= max(16, triton.next_power_of_2(N)) * 2:
             out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=s))
     return out or [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=2)]

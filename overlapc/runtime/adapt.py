@@ -13,6 +13,7 @@ collectives), so all of them decide at the same call with the same numbers. The 
 of the graph get ``details["measured"]`` (both medians and the program kept). Where the
 baseline is kept, the rewritten rows become "skipped" with the measured times as the reason.
 """
+
 from __future__ import annotations
 
 import logging
@@ -65,17 +66,29 @@ class Adaptive:
         planned, baseline = max(g[0] for g in got), max(g[1] for g in got)
         self.kept = "planned" if planned < baseline else "baseline"
         self.fns = {self.kept: self.fns[self.kept]}  # the other program's memory goes
-        measured = {"planned_ms": round(planned * 1e3, 3), "baseline_ms": round(baseline * 1e3, 3),
-                    "calls": self.steps, "kept": self.kept}
+        measured = {
+            "planned_ms": round(planned * 1e3, 3),
+            "baseline_ms": round(baseline * 1e3, 3),
+            "calls": self.steps,
+            "kept": self.kept,
+        }
         for row in self.rows:
             row.details["measured"] = measured
             if self.kept == "baseline" and row.status == "rewritten":
                 row.status, row.strategy, row.chunks = "skipped", None, None
-                row.reason = (f"measured slower than the baseline in the first calls of the {self.kind} graph "
-                              f"({planned * 1e3:.1f} ms against {baseline * 1e3:.1f} ms, slowest rank, median of "
-                              f"{self.steps}); the baseline runs (option adapt)")
-        log.info("overlapc: %s graph: planned %.1f ms, baseline %.1f ms over %d calls: keeping the %s",
-                 self.kind, planned * 1e3, baseline * 1e3, self.steps, self.kept)
+                row.reason = (
+                    f"measured slower than the baseline in the first calls of the {self.kind} graph "
+                    f"({planned * 1e3:.1f} ms against {baseline * 1e3:.1f} ms, slowest rank, median of "
+                    f"{self.steps}); the baseline runs (option adapt)"
+                )
+        log.info(
+            "overlapc: %s graph: planned %.1f ms, baseline %.1f ms over %d calls: keeping the %s",
+            self.kind,
+            planned * 1e3,
+            baseline * 1e3,
+            self.steps,
+            self.kept,
+        )
 
 
 def ranks_of(rows) -> list[int] | None:

@@ -27,6 +27,7 @@ waited on, on their row operands whole (reassembled from the chunks). A group (a
 expert's rows from one source) may be cut by a chunk boundary; each chunk's ``offs``
 counts the rows of every group that fall into it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -69,6 +70,7 @@ class DroplessPipeline:
     ``tail_sources[i]`` says where its i-th input comes from: ("input", j) row input j,
     ("row_output", j) row output j, ("body", k) the body's k-th extra output.
     """
+
     body: GraphModule
     group_name: str
     chunks: int
@@ -117,8 +119,12 @@ class DroplessPipeline:
         try:
             return self._body_fn(*args)
         except Exception as e:  # noqa: BLE001 -- any compile failure; a real error recurs below
-            log.warning("overlapc: dropless pipeline %s: its compiled body failed (%s: %s); "
-                        "it runs uncompiled", self.site, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            log.warning(
+                "overlapc: dropless pipeline %s: its compiled body failed (%s: %s); it runs uncompiled",
+                self.site,
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
+            )
             self._body_fn = self.body
             return self.body(*args)
 
@@ -130,10 +136,12 @@ class DroplessPipeline:
         group = _resolve_process_group(self.group_name)
         in_splits, out_splits = [int(s) for s in in_splits], [int(s) for s in out_splits]
         if sum(in_splits) != xs.shape[0]:
-            raise RuntimeError(f"overlapc: dropless pipeline {self.site}: input splits {in_splits} "
-                               f"do not add up to the {xs.shape[0]} rows sent")
+            raise RuntimeError(
+                f"overlapc: dropless pipeline {self.site}: input splits {in_splits} "
+                f"do not add up to the {xs.shape[0]} rows sent"
+            )
         w = chunk_weights(self.chunks)
-        b_in = [boundaries(n, w) for n in in_splits]    # my rows, per destination block
+        b_in = [boundaries(n, w) for n in in_splits]  # my rows, per destination block
         b_out = [boundaries(n, w) for n in out_splits]  # rows I receive, per source block
         start_in, start_out = _starts(in_splits), _starts(out_splits)
         total_out = sum(out_splits)
@@ -141,8 +149,10 @@ class DroplessPipeline:
         if offs is not None:
             group_ends = offs.to(torch.int64)
             if group_ends.numel() and int(group_ends[-1]) != total_out:
-                raise RuntimeError(f"overlapc: dropless pipeline {self.site}: the grouped matmul's offsets end at "
-                                   f"{int(group_ends[-1])}, but {total_out} rows were received")
+                raise RuntimeError(
+                    f"overlapc: dropless pipeline {self.site}: the grouped matmul's offsets end at "
+                    f"{int(group_ends[-1])}, but {total_out} rows were received"
+                )
         xs = xs.contiguous()
         split = len(consts) - self.n_tail_consts
         consts, tail_consts = consts[:split], consts[split:]
@@ -153,7 +163,7 @@ class DroplessPipeline:
         def dispatch(c):
             send_sizes = [b[c + 1] - b[c] for b in b_in]
             recv_sizes = [b[c + 1] - b[c] for b in b_out]
-            send = torch.cat([xs[s + b[c]: s + b[c + 1]] for s, b in zip(start_in, b_in)])
+            send = torch.cat([xs[s + b[c] : s + b[c + 1]] for s, b in zip(start_in, b_in)])
             recv = xs.new_empty((sum(recv_sizes), *xs.shape[1:]))
             work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group, async_op=True)
             return work, recv, send_sizes, recv_sizes
@@ -182,7 +192,7 @@ class DroplessPipeline:
 
         # While the last combines are on the wire: the whole rows, and the tail on them.
         wholes = [_place(parts, start_out, b_out, total_out) for parts in row_parts]
-        row_outputs, extra = wholes[:self.n_row_outputs], wholes[self.n_row_outputs:]
+        row_outputs, extra = wholes[: self.n_row_outputs], wholes[self.n_row_outputs :]
         reduced_out = []
         if self.tail is not None:
             pick = {"input": row_inputs, "row_output": row_outputs, "body": extra}
@@ -209,7 +219,7 @@ def _take(t: torch.Tensor, starts, bounds, c) -> torch.Tensor:
     """The rows of chunk ``c`` of ``t`` (aligned with the received buffer), in chunk order:
     one contiguous range per source block. (Put back by :func:`_place`, slice by slice: an
     index_copy_ of the same rows took 2.5x as long, bf16 rows of 1024-2048, one thread.)"""
-    parts = [t[s + b[c]: s + b[c + 1]] for s, b in zip(starts, bounds)]
+    parts = [t[s + b[c] : s + b[c + 1]] for s, b in zip(starts, bounds)]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -222,7 +232,9 @@ def _chunk_offsets(group_ends: torch.Tensor, starts, bounds, c) -> torch.Tensor:
     count = torch.zeros_like(ends)
     for s, b in zip(starts, bounds):
         lo, hi = s + b[c], s + b[c + 1]
-        count += (torch.clamp(torch.minimum(ends, ends.new_tensor(hi)) - torch.maximum(begins, begins.new_tensor(lo)), min=0))
+        count += torch.clamp(
+            torch.minimum(ends, ends.new_tensor(hi)) - torch.maximum(begins, begins.new_tensor(lo)), min=0
+        )
     return torch.cumsum(count, 0)
 
 
@@ -235,7 +247,7 @@ def _place(parts, starts, bounds, n_rows) -> torch.Tensor:
         off = 0
         for s, b in zip(starts, bounds):
             n = b[c + 1] - b[c]
-            out[s + b[c]: s + b[c + 1]] = part[off: off + n]
+            out[s + b[c] : s + b[c + 1]] = part[off : off + n]
             off += n
     return out
 
@@ -254,22 +266,33 @@ def register(pipeline: DroplessPipeline) -> int:
 
 def pipelines_of(graph) -> list[DroplessPipeline]:
     """The pipelines a graph calls (through the custom op)."""
-    return [_lookup(n.args[0]) for n in graph.nodes
-            if n.op == "call_function" and n.target is torch.ops.overlapc.dropless_pipeline.default]
+    return [
+        _lookup(n.args[0])
+        for n in graph.nodes
+        if n.op == "call_function" and n.target is torch.ops.overlapc.dropless_pipeline.default
+    ]
 
 
 def _lookup(key: int) -> DroplessPipeline:
     try:
         return _PIPELINES[key]
     except KeyError:
-        raise RuntimeError(f"overlapc: dropless pipeline #{key} is not registered in this process "
-                           "(a graph compiled by another process, e.g. loaded from a cache?)") from None
+        raise RuntimeError(
+            f"overlapc: dropless pipeline #{key} is not registered in this process "
+            "(a graph compiled by another process, e.g. loaded from a cache?)"
+        ) from None
 
 
 @torch.library.custom_op("overlapc::dropless_pipeline", mutates_args=())
-def dropless_pipeline(key: int, xs: torch.Tensor, in_splits: list[int], out_splits: list[int],
-                      offs: torch.Tensor | None, row_inputs: list[torch.Tensor],
-                      consts: list[torch.Tensor]) -> list[torch.Tensor]:
+def dropless_pipeline(
+    key: int,
+    xs: torch.Tensor,
+    in_splits: list[int],
+    out_splits: list[int],
+    offs: torch.Tensor | None,
+    row_inputs: list[torch.Tensor],
+    consts: list[torch.Tensor],
+) -> list[torch.Tensor]:
     """Dispatch, body per chunk, combine: see :class:`DroplessPipeline`."""
     return _lookup(key)(xs, in_splits, out_splits, offs, row_inputs, consts)
 

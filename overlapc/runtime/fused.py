@@ -31,6 +31,7 @@ runs the plain ops instead: ``all_gather_into_tensor`` + ``mm``, ``mm`` +
 ``reduce_scatter_tensor``. The default is 0 on the CPU (the interpreter is there to test the
 fused path) and ``GPU_MIN_FLOPS`` elsewhere.
 """
+
 from __future__ import annotations
 
 import math
@@ -68,8 +69,10 @@ def _check_dim(op: str, x: torch.Tensor, dim: int, what: str) -> int:
         raise OverlapError(f"{op}: the {what} operand must have at least 2 dims, got shape {tuple(x.shape)}")
     d = dim % x.dim()
     if d == x.dim() - 1:
-        raise OverlapError(f"{op}: {what} on the last dim (the contraction dim) is not fused; "
-                           f"allowed: dims 0..{x.dim() - 2} of shape {tuple(x.shape)}")
+        raise OverlapError(
+            f"{op}: {what} on the last dim (the contraction dim) is not fused; "
+            f"allowed: dims 0..{x.dim() - 2} of shape {tuple(x.shape)}"
+        )
     return d
 
 
@@ -123,6 +126,7 @@ def _launch_config(kind: str, M: int, N: int, K: int, dtype: torch.dtype, device
 
     from overlapc.kernels import INTERPRET, interpreter_problem
     from overlapc.kernels.gemm import configs
+
     why = interpreter_problem()
     if why:
         raise OverlapError(f"fused {kind} kernel: {why}")
@@ -158,16 +162,54 @@ def _autotune(kind: str, cands: list[dict], M: int, N: int, K: int, dtype, devic
 
     def launch(cfg, tiles):
         if kind == "ag":
-            ag_gemm_consumer[(tiles,)](a, b, out, flags, abort, rows, N, K, 1, 0, 1, rows, 1, 1,
-                                       b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-                                       UPCAST=INTERPRET, PRECISION=_precision(dtype), **cfg)
+            ag_gemm_consumer[(tiles,)](
+                a,
+                b,
+                out,
+                flags,
+                abort,
+                rows,
+                N,
+                K,
+                1,
+                0,
+                1,
+                rows,
+                1,
+                1,
+                b.stride(0),
+                b.stride(1),
+                out.stride(0),
+                out.stride(1),
+                UPCAST=INTERPRET,
+                PRECISION=_precision(dtype),
+                **cfg,
+            )
         else:
-            gemm_rs_producer[(tiles,)](a, b, bufs, sigs, rows, N, K, 1, 0, 1, 1,
-                                       a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                                       UPCAST=INTERPRET, PRECISION=_precision(dtype), OUT_DTYPE=tl_dtype(dtype),
-                                       **cfg)
+            gemm_rs_producer[(tiles,)](
+                a,
+                b,
+                bufs,
+                sigs,
+                rows,
+                N,
+                K,
+                1,
+                0,
+                1,
+                1,
+                a.stride(0),
+                a.stride(1),
+                b.stride(0),
+                b.stride(1),
+                UPCAST=INTERPRET,
+                PRECISION=_precision(dtype),
+                OUT_DTYPE=tl_dtype(dtype),
+                **cfg,
+            )
 
     from overlapc.calibrate import _median
+
     times = [_median(lambda c=cfg, n=n: (launch(c, n), sync()), 3) for cfg, n in zip(cands, tiles)]
     if kind == "rs" and world > 1:
         t = funcol.all_reduce(torch.tensor(times, dtype=torch.float64, device=device), "sum", group)
@@ -176,9 +218,16 @@ def _autotune(kind: str, cands: list[dict], M: int, N: int, K: int, dtype, devic
 
 
 # ------------------------------------------------------------------ AllGather + GEMM
-def all_gather_matmul(a: torch.Tensor, bs: list[torch.Tensor], gather_dim: int, group_name: str,
-                      chunks: int = 4, timeout: float = 300.0, return_a: bool = False,
-                      min_flops: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def all_gather_matmul(
+    a: torch.Tensor,
+    bs: list[torch.Tensor],
+    gather_dim: int,
+    group_name: str,
+    chunks: int = 4,
+    timeout: float = 300.0,
+    return_a: bool = False,
+    min_flops: int | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     op = AG_OP
     d = _check_dim(op, a, gather_dim, "gathered")
     group = _group(group_name)
@@ -229,7 +278,7 @@ def all_gather_matmul(a: torch.Tensor, bs: list[torch.Tensor], gather_dim: int, 
                                 time.sleep(0)
                             ready.add(p)
                         ws.view(p, (world, M_L, K), a.dtype)[rank, r0:r1].copy_(shard[r0:r1])
-                        ws.store(ws.flags(p)[rank * chunks + c: rank * chunks + c + 1], epoch)
+                        ws.store(ws.flags(p)[rank * chunks + c : rank * chunks + c + 1], epoch)
         except BaseException as e:  # surfaced on the calling thread
             error.append(e)
 
@@ -237,6 +286,7 @@ def all_gather_matmul(a: torch.Tensor, bs: list[torch.Tensor], gather_dim: int, 
     producer.start()
 
     from overlapc.kernels.gemm import ag_gemm_consumer
+
     buf = ws.view(rank, (world * M_L, K), a.dtype)
     outs = []
     for b in bs:
@@ -244,10 +294,28 @@ def all_gather_matmul(a: torch.Tensor, bs: list[torch.Tensor], gather_dim: int, 
         out = torch.empty(world * M_L, N, dtype=a.dtype, device=a.device)
         cfg, interpret, tiles = _launch_config("ag", world * M_L, N, K, a.dtype, a.device)
         ag_gemm_consumer[(tiles,)](
-            buf, b, out, ws.flags(), ws.abort_word(),
-            M_L, N, K, world, rank, chunks, chunk_rows, inner, epoch,
-            b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-            UPCAST=interpret, PRECISION=_precision(a.dtype), **cfg)
+            buf,
+            b,
+            out,
+            ws.flags(),
+            ws.abort_word(),
+            M_L,
+            N,
+            K,
+            world,
+            rank,
+            chunks,
+            chunk_rows,
+            inner,
+            epoch,
+            b.stride(0),
+            b.stride(1),
+            out.stride(0),
+            out.stride(1),
+            UPCAST=interpret,
+            PRECISION=_precision(a.dtype),
+            **cfg,
+        )
         outs.append(out.view(*gshape[:-1], N))
         if int(ws.abort_word()[0]):
             break
@@ -263,8 +331,10 @@ def all_gather_matmul(a: torch.Tensor, bs: list[torch.Tensor], gather_dim: int, 
     def missing():
         flags = ws.flags()[: world * chunks].view(world, chunks)
         late = [(s, c) for s in range(world) for c in range(chunks) if int(flags[s, c]) < epoch]
-        return (f"waited {timeout:.0f} s for gathered chunks (source rank, chunk) {late[:8]}"
-                f"{' ...' if len(late) > 8 else ''} of call {epoch}")
+        return (
+            f"waited {timeout:.0f} s for gathered chunks (source rank, chunk) {late[:8]}"
+            f"{' ...' if len(late) > 8 else ''} of call {epoch}"
+        )
 
     _finish(ws, dog, op, epoch, missing)
     if error:
@@ -274,8 +344,14 @@ def all_gather_matmul(a: torch.Tensor, bs: list[torch.Tensor], gather_dim: int, 
 
 
 # ------------------------------------------------------------------ GEMM + ReduceScatter
-def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, scatter_dim: int, group_name: str,
-                          timeout: float = 300.0, min_flops: int | None = None) -> torch.Tensor:
+def matmul_reduce_scatter(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scatter_dim: int,
+    group_name: str,
+    timeout: float = 300.0,
+    min_flops: int | None = None,
+) -> torch.Tensor:
     op = RS_OP
     d = _check_dim(op, a, scatter_dim, "scattered")
     group = _group(group_name)
@@ -310,16 +386,45 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, scatter_dim: int, gr
 
     from overlapc.kernels import tl_dtype
     from overlapc.kernels.gemm import gemm_rs_producer, rs_reduce_consumer
+
     gemm_rs_producer[(world * tiles,)](
-        a2, b, ws.buffer_ptrs, ws.signal_ptrs,
-        M_O, N, K, world, rank, inner, epoch,
-        a2.stride(0), a2.stride(1), b.stride(0), b.stride(1),
-        UPCAST=interpret, PRECISION=_precision(a.dtype), OUT_DTYPE=tl_dtype(a.dtype), **cfg)
+        a2,
+        b,
+        ws.buffer_ptrs,
+        ws.signal_ptrs,
+        M_O,
+        N,
+        K,
+        world,
+        rank,
+        inner,
+        epoch,
+        a2.stride(0),
+        a2.stride(1),
+        b.stride(0),
+        b.stride(1),
+        UPCAST=interpret,
+        PRECISION=_precision(a.dtype),
+        OUT_DTYPE=tl_dtype(a.dtype),
+        **cfg,
+    )
     out = torch.empty(M_O, N, dtype=a.dtype, device=a.device)
     rs_reduce_consumer[(tiles,)](
-        ws.view(rank, (world * M_O, N), a.dtype), out, ws.flags(), ws.abort_word(),
-        M_O, N, world, epoch, out.stride(0), out.stride(1),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], UPCAST=interpret)
+        ws.view(rank, (world * M_O, N), a.dtype),
+        out,
+        ws.flags(),
+        ws.abort_word(),
+        M_O,
+        N,
+        world,
+        epoch,
+        out.stride(0),
+        out.stride(1),
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        GROUP_M=cfg["GROUP_M"],
+        UPCAST=interpret,
+    )
 
     def missing():
         flags = ws.flags()[: world * tiles].view(world, tiles)
@@ -333,8 +438,10 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, scatter_dim: int, gr
 
 # ------------------------------------------------------------------ torch.library ops
 _lib = torch.library.Library("overlapc", "FRAGMENT")
-_lib.define("fused_all_gather_matmul(Tensor a, Tensor[] bs, int gather_dim, str group_name, int chunks, "
-            "float timeout, bool return_a) -> Tensor[]")
+_lib.define(
+    "fused_all_gather_matmul(Tensor a, Tensor[] bs, int gather_dim, str group_name, int chunks, "
+    "float timeout, bool return_a) -> Tensor[]"
+)
 _lib.define("fused_matmul_reduce_scatter(Tensor a, Tensor b, int scatter_dim, str group_name, float timeout) -> Tensor")
 
 

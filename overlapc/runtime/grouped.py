@@ -27,6 +27,7 @@ loop's; the backward is this op again (``_grouped_mm``'s own kernels take only b
 CPU and need 16-byte aligned operands on CUDA; this op has neither restriction, and no
 kernel of its own either: its speed is that of the loop it replaces).
 """
+
 from __future__ import annotations
 
 from typing import List, Optional  # noqa: UP035 -- see _grouped_mm_loop's signature
@@ -40,9 +41,14 @@ def _ends(offs: torch.Tensor) -> list[int]:
 
 # Optional[List[int]]: typing's spelling, which every torch's schema inference reads (2.11 too).
 @torch.library.custom_op("overlapc::grouped_mm", mutates_args=())
-def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor,
-               index: Optional[List[int]] = None, n_out: int = -1,  # noqa: UP006, UP045
-               out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:  # noqa: UP045
+def grouped_mm(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    offs: torch.Tensor,
+    index: Optional[List[int]] = None,  # noqa: UP006, UP045
+    n_out: int = -1,
+    out_dtype: Optional[torch.dtype] = None,  # noqa: UP045
+) -> torch.Tensor:
     """See the module docstring. ``index``: group g uses weight ``mat_b[index[g]]`` (an expert
     bank indexed per group: no stacked copy of the weights), and in the weight-gradient
     form adds its sum into ``out[index[g]]`` of ``n_out`` weights. Products are computed in
@@ -77,7 +83,7 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor,
     # weight from the last group first). addmm_ would round once: 1 bf16 ulp off eager.
     out = mat_a.new_zeros((n_out, *shape), dtype=dtype)
     for g in reversed(range(len(ends))):
-        out[index[g]] += torch.mm(mat_a[:, starts[g]:ends[g]], mat_b[starts[g]:ends[g]]).to(dtype)
+        out[index[g]] += torch.mm(mat_a[:, starts[g] : ends[g]], mat_b[starts[g] : ends[g]]).to(dtype)
     return out
 
 
@@ -92,21 +98,30 @@ def _(mat_a, mat_b, offs, index=None, n_out=-1, out_dtype=None):
 
 def _check(a, b, offs, index, n_out):
     if offs.dim() != 1 or offs.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"overlapc::grouped_mm: offs must be a 1-D int32/int64 tensor, got {offs.dtype} "
-                         f"of shape {tuple(offs.shape)}")
+        raise ValueError(
+            f"overlapc::grouped_mm: offs must be a 1-D int32/int64 tensor, got {offs.dtype} "
+            f"of shape {tuple(offs.shape)}"
+        )
     if a.dim() != 2 or b.dim() not in (2, 3):
-        raise ValueError(f"overlapc::grouped_mm takes (R, K) x (G, K, N) or (K, R) x (R, N); got "
-                         f"{tuple(a.shape)} x {tuple(b.shape)}")
-    torch._check(a.shape[1] == b.shape[-2],
-                 lambda: f"overlapc::grouped_mm: inner sizes differ: {tuple(a.shape)} x {tuple(b.shape)}")
+        raise ValueError(
+            f"overlapc::grouped_mm takes (R, K) x (G, K, N) or (K, R) x (R, N); got {tuple(a.shape)} x {tuple(b.shape)}"
+        )
+    torch._check(
+        a.shape[1] == b.shape[-2],
+        lambda: f"overlapc::grouped_mm: inner sizes differ: {tuple(a.shape)} x {tuple(b.shape)}",
+    )
     if index is not None:
         n = b.shape[0] if b.dim() == 3 else n_out
         if len(index) != offs.shape[0] or not all(0 <= i < n for i in index):
-            raise ValueError(f"overlapc::grouped_mm: index {list(index)} must give each of the {offs.shape[0]} "
-                             f"groups a weight in 0..{n - 1}")
+            raise ValueError(
+                f"overlapc::grouped_mm: index {list(index)} must give each of the {offs.shape[0]} "
+                f"groups a weight in 0..{n - 1}"
+            )
     elif b.dim() == 3:
-        torch._check(b.shape[0] == offs.shape[0],
-                     lambda: f"overlapc::grouped_mm: {b.shape[0]} weights for {offs.shape[0]} groups")
+        torch._check(
+            b.shape[0] == offs.shape[0],
+            lambda: f"overlapc::grouped_mm: {b.shape[0]} weights for {offs.shape[0]} groups",
+        )
 
 
 def _setup(ctx, inputs, output):
@@ -118,8 +133,10 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad):
     a, b, offs = ctx.saved_tensors
     if b.dim() != 3:
-        raise RuntimeError("overlapc::grouped_mm: the backward of its weight-gradient form "
-                           "((K, R) x (R, N)) is not implemented (double backward)")
+        raise RuntimeError(
+            "overlapc::grouped_mm: the backward of its weight-gradient form "
+            "((K, R) x (R, N)) is not implemented (double backward)"
+        )
     grad_a = grad_b = None
     if ctx.needs_input_grad[0]:
         grad_a = grouped_mm(grad, b.transpose(-2, -1), offs, ctx.index)
@@ -141,8 +158,12 @@ def _autocast_kernel(device_type: str):
 
     def cast(t):
         dtype = torch.get_autocast_dtype(device_type)
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in (torch.float64, dtype) \
-                and t.device.type == device_type:
+        if (
+            isinstance(t, torch.Tensor)
+            and t.is_floating_point()
+            and t.dtype not in (torch.float64, dtype)
+            and t.device.type == device_type
+        ):
             return t.to(dtype)
         return t
 
@@ -151,10 +172,15 @@ def _autocast_kernel(device_type: str):
             if mat_b.dim() == 2:
                 mat_b = cast(mat_b)
             return GROUPED_MM(cast(mat_a), mat_b, offs, index, n_out, out_dtype)
+
     return kernel
 
 
 _LIB = torch.library.Library("overlapc", "FRAGMENT")  # noqa: TOR901 -- the op's autocast kernels
 for _device in ("cpu", "cuda"):
-    _LIB.impl("grouped_mm", _autocast_kernel(_device),
-              "Autocast" + torch._C._dispatch_key_for_device(_device), with_keyset=True)
+    _LIB.impl(
+        "grouped_mm",
+        _autocast_kernel(_device),
+        "Autocast" + torch._C._dispatch_key_for_device(_device),
+        with_keyset=True,
+    )

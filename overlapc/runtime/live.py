@@ -22,6 +22,7 @@ Times are cached per (backend, ranks, hosts, kind, dtype, elements), in memory a
 others): a recompile, a later shape bucket or the next run measures nothing it has. A
 corrupt cache file is ignored with a warning.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,6 +58,7 @@ _MEMO: dict[tuple, float] = {}
 @dataclasses.dataclass(frozen=True)
 class Need:
     """One collective to time: ``kind`` over the group, ``numel`` elements of ``dtype`` per rank."""
+
     kind: str
     dtype: str
     numel: int
@@ -118,6 +120,7 @@ def measured_profile(graph, base, options, graph_kind: str = ""):
         # Compilers call the passes under their fake (and tracing) modes: the measurements
         # are real tensors and real collectives.
         from torch.utils._python_dispatch import _disable_current_modes
+
         with _disable_current_modes():
             times = _measure_group(pg, name, needs, options, graph_kind)
         for need, (t, how) in times.items():
@@ -132,10 +135,17 @@ def measured_profile(graph, base, options, graph_kind: str = ""):
     # Two groups of one size (a 2-D mesh's TP and DP groups) share the curves: per size, the
     # upper envelope of their points (a group's own curve would need the group in the model).
     merged = {w: {k: _monotone(v) for k, v in kinds.items()} for w, kinds in curves.items()}
-    note = (f"; the graph's collectives timed on the live group(s): {counts['measured']} size(s) measured, "
-            f"{counts['cached']} cached, {time.perf_counter() - t0:.2f} s")
-    return dataclasses.replace(base, name=f"{base.name}+measured", source=base.source + note,
-                               world_curves={**base.world_curves, **merged}, provenance={**base.provenance, **sources})
+    note = (
+        f"; the graph's collectives timed on the live group(s): {counts['measured']} size(s) measured, "
+        f"{counts['cached']} cached, {time.perf_counter() - t0:.2f} s"
+    )
+    return dataclasses.replace(
+        base,
+        name=f"{base.name}+measured",
+        source=base.source + note,
+        world_curves={**base.world_curves, **merged},
+        provenance={**base.provenance, **sources},
+    )
 
 
 def _measure_group(pg, name: str, needs: list[Need], options, graph_kind: str):
@@ -155,7 +165,8 @@ def _measure_group(pg, name: str, needs: list[Need], options, graph_kind: str):
             raise OverlapError(
                 f"ranks compiled different {graph_kind or 'graphs'} with collectives on group {name!r}: rank "
                 f"{dist.get_rank()} would measure {_brief(request)}, rank {rank} {_brief(theirs['request'])}. "
-                "Every rank of a group must compile the same graph with the same input shapes.")
+                "Every rank of a group must compile the same graph with the same input shapes."
+            )
     key = (backend, tuple(ranks), tuple(g["host"] for g in got))
     on_rank0 = dist.get_rank() == ranks[0]
     # Rank 0's numbers (memory, then its disk cache) are everyone's: a rank with a cache of
@@ -166,8 +177,15 @@ def _measure_group(pg, name: str, needs: list[Need], options, graph_kind: str):
         known = {n: _MEMO[key + dataclasses.astuple(n)] for n in needs if key + dataclasses.astuple(n) in _MEMO}
         known.update({n: t for n, t in on_disk.items() if n in needs and n not in known})
     linked = (backend, tuple(ranks)) in _Link.GROUPS
-    shared = _exchange(f"live/{name}", ranks, {"known": [dataclasses.astuple(n) + (t,) for n, t in known.items()],
-                                               "nonce": os.urandom(8).hex(), "linked": linked})
+    shared = _exchange(
+        f"live/{name}",
+        ranks,
+        {
+            "known": [dataclasses.astuple(n) + (t,) for n, t in known.items()],
+            "nonce": os.urandom(8).hex(),
+            "linked": linked,
+        },
+    )
     if not all(g["linked"] for g in shared):  # a rank lost its link (a restarted worker): all make a new one
         _Link.GROUPS.pop((backend, tuple(ranks)), None)
     shared = shared[0]
@@ -188,8 +206,13 @@ def _measure_group(pg, name: str, needs: list[Need], options, graph_kind: str):
         _MEMO[key + dataclasses.astuple(need)] = t
     if on_rank0 and len(times) > len(known):
         _save_disk(key, {**on_disk, **times})
-    log.info("overlapc: measured %d collective size(s) on group %s in %.2f s (%d cached)",
-             len(times) - len(known), name, time.perf_counter() - t0, len(known))
+    log.info(
+        "overlapc: measured %d collective size(s) on group %s in %.2f s (%d cached)",
+        len(times) - len(known),
+        name,
+        time.perf_counter() - t0,
+        len(known),
+    )
     return {n: (t, "cached" if n in known else "measured") for n, t in times.items()}
 
 
@@ -255,16 +278,20 @@ class _Link:
         import torch.distributed as dist
 
         if self.gloo:
-            work = {"all_gather": lambda: self.pg._allgather_base(out, x),
-                    "reduce_scatter": lambda: self.pg._reduce_scatter_base(out, x, dist.ReduceScatterOptions()),
-                    "all_reduce": lambda: self.pg.allreduce([x]),
-                    "all_to_all": lambda: self.pg.alltoall_base(out, x, [], [])}[kind]()
+            work = {
+                "all_gather": lambda: self.pg._allgather_base(out, x),
+                "reduce_scatter": lambda: self.pg._reduce_scatter_base(out, x, dist.ReduceScatterOptions()),
+                "all_reduce": lambda: self.pg.allreduce([x]),
+                "all_to_all": lambda: self.pg.alltoall_base(out, x, [], []),
+            }[kind]()
             work.wait()
             return
-        {"all_gather": lambda: dist.all_gather_into_tensor(out, x, group=self.pg),
-         "reduce_scatter": lambda: dist.reduce_scatter_tensor(out, x, group=self.pg),
-         "all_reduce": lambda: dist.all_reduce(x, group=self.pg),
-         "all_to_all": lambda: dist.all_to_all_single(out, x, group=self.pg)}[kind]()
+        {
+            "all_gather": lambda: dist.all_gather_into_tensor(out, x, group=self.pg),
+            "reduce_scatter": lambda: dist.reduce_scatter_tensor(out, x, group=self.pg),
+            "all_reduce": lambda: dist.all_reduce(x, group=self.pg),
+            "all_to_all": lambda: dist.all_to_all_single(out, x, group=self.pg),
+        }[kind]()
 
 
 def collective_fn(link: _Link, need: Need):
@@ -312,8 +339,11 @@ def _load_disk(key: tuple) -> dict[Need, float]:
         data = json.loads(path.read_text())
         return {Need(k, d, int(n)): float(t) for k, d, n, t in data["times"]}
     except (ValueError, KeyError, TypeError) as e:
-        warnings.warn(f"overlapc: ignoring the corrupt measurement cache {path} ({type(e).__name__}: {e}); "
-                      "the group is measured again", stacklevel=2)
+        warnings.warn(
+            f"overlapc: ignoring the corrupt measurement cache {path} ({type(e).__name__}: {e}); "
+            "the group is measured again",
+            stacklevel=2,
+        )
         return {}
 
 
@@ -324,8 +354,7 @@ def _save_disk(key: tuple, times: dict[Need, float]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"backend": key[0], "ranks": list(key[1]), "hosts": list(key[2]),
-                                   "times": rows}))
+        tmp.write_text(json.dumps({"backend": key[0], "ranks": list(key[1]), "hosts": list(key[2]), "times": rows}))
         tmp.replace(path)
     except OSError as e:  # a read-only home: the numbers still serve this process
         log.warning("overlapc: could not write the measurement cache %s: %s", path, e)

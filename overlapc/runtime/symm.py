@@ -38,6 +38,7 @@ Backends:
   fix, unverified there; docs/fused_kernels.md). No multi-GPU world has run it: the CPU tests
   run the same assembly through a stand-in for torch's handle.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -100,6 +101,7 @@ def cuda_supported(group) -> str | None:
         return "no CUDA device here: the CUDA symmetric-memory workspace needs one"
     try:
         from torch.distributed import _symmetric_memory as sm
+
         sm.empty, sm.rendezvous  # noqa: B018
     except (ImportError, AttributeError) as e:
         return f"torch {torch.__version__} has no symmetric memory ({e})"
@@ -125,10 +127,10 @@ class SymmetricMemory:
     world: int
     nbytes: int
     n_signals: int
-    buffers: list[torch.Tensor]          # uint8 [nbytes] per rank, as mapped here
-    signals: list[torch.Tensor]          # int32 [n_signals] per rank, as mapped here
-    buffer_ptrs: torch.Tensor            # int64 [world]
-    signal_ptrs: torch.Tensor            # int64 [world]
+    buffers: list[torch.Tensor]  # uint8 [nbytes] per rank, as mapped here
+    signals: list[torch.Tensor]  # int32 [n_signals] per rank, as mapped here
+    buffer_ptrs: torch.Tensor  # int64 [world]
+    signal_ptrs: torch.Tensor  # int64 [world]
     epoch: int = 0
     _keep: list = field(default_factory=list, repr=False)
     _streams: dict = field(default_factory=dict, repr=False)
@@ -142,7 +144,7 @@ class SymmetricMemory:
         return self.signals[self.rank if peer is None else peer][: self.n_flags]
 
     def done(self, peer: int | None = None) -> torch.Tensor:
-        return self.signals[self.rank if peer is None else peer][self.n_flags: self.n_flags + self.world]
+        return self.signals[self.rank if peer is None else peer][self.n_flags : self.n_flags + self.world]
 
     def abort_word(self, peer: int | None = None) -> torch.Tensor:
         return self.signals[self.rank if peer is None else peer][-1:]
@@ -206,7 +208,7 @@ class SymmetricMemory:
     def signal_done(self, epoch: int) -> None:
         """This rank has finished reading its buffer for call ``epoch``: tell every peer."""
         for p in range(self.world):
-            self.store(self.done(p)[self.rank:self.rank + 1], epoch)
+            self.store(self.done(p)[self.rank : self.rank + 1], epoch)
 
     def check_abort(self, op: str) -> None:
         if int(self.abort_word()[0]):
@@ -283,17 +285,26 @@ def rendezvous_cpu(group, nbytes: int, n_flags: int, timeout: float = 60.0) -> S
     return _assemble(group, rank, world, raw, _round_up(nbytes, mmap.PAGESIZE), n_signals, keep=[maps, raw])
 
 
-def _assemble(group, rank: int, world: int, raw: list[torch.Tensor], data_bytes: int, n_signals: int,
-              keep: list) -> SymmetricMemory:
+def _assemble(
+    group, rank: int, world: int, raw: list[torch.Tensor], data_bytes: int, n_signals: int, keep: list
+) -> SymmetricMemory:
     """The workspace over every rank's region as mapped here (``raw[p]``: uint8, data bytes
     then the signal words): the one layout of both backends."""
     buffers = [r[:data_bytes] for r in raw]
-    signals = [r[data_bytes:data_bytes + 4 * n_signals].view(torch.int32) for r in raw]
+    signals = [r[data_bytes : data_bytes + 4 * n_signals].view(torch.int32) for r in raw]
     dev = raw[rank].device
-    return SymmetricMemory(group, rank, world, data_bytes, n_signals, buffers, signals,
-                           torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=dev),
-                           torch.tensor([s.data_ptr() for s in signals], dtype=torch.int64, device=dev),
-                           _keep=keep)
+    return SymmetricMemory(
+        group,
+        rank,
+        world,
+        data_bytes,
+        n_signals,
+        buffers,
+        signals,
+        torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=dev),
+        torch.tensor([s.data_ptr() for s in signals], dtype=torch.int64, device=dev),
+        _keep=keep,
+    )
 
 
 # -------------------------------------------------------------------- CUDA backend

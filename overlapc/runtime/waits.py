@@ -11,6 +11,7 @@ group, instead of a bare transport message.
 - ``inner="inductor"``: inductor generates the waits; :func:`named_failures` wraps a
   compiled graph so that a collective failure inside it names the graph's rewritten sites.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,9 +20,18 @@ import torch.distributed as dist
 from overlapc.errors import OverlapCommError, OverlapError
 
 # Words of the transport errors a failed or timed-out collective raises (gloo, NCCL).
-_COMM_FAILURE = ("Timed out", "timed out", "timeout caused pair closure", "Connection closed",
-                 "Connection reset", "reset by peer", "NCCL error", "ncclRemoteError", "ncclSystemError",
-                 "gloo/transport")
+_COMM_FAILURE = (
+    "Timed out",
+    "timed out",
+    "timeout caused pair closure",
+    "Connection closed",
+    "Connection reset",
+    "reset by peer",
+    "NCCL error",
+    "ncclRemoteError",
+    "ncclSystemError",
+    "gloo/transport",
+)
 
 
 def _rank() -> str:
@@ -37,9 +47,11 @@ def wait(x: torch.Tensor, site: str, chunk: int, chunks: int, group: str) -> tor
     try:
         return torch.ops._c10d_functional.wait_tensor.default(x)
     except RuntimeError as e:
-        raise OverlapCommError(f"overlapc: {describe(site, chunk, chunks, group)} did not complete: {e} "
-                               "(the process group's timeout bounds each collective; a peer that died "
-                               "or never reached this step fails it)") from e
+        raise OverlapCommError(
+            f"overlapc: {describe(site, chunk, chunks, group)} did not complete: {e} "
+            "(the process group's timeout bounds each collective; a peer that died "
+            "or never reached this step fails it)"
+        ) from e
 
 
 def name_waits(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -90,7 +102,8 @@ def named_failures(fn, kind: str, sites: list[str]):
             raise OverlapCommError(
                 f"overlapc: a collective of the {kind} graph failed on rank {_rank()}: {e} (the graph's "
                 f"rewritten sites: {', '.join(sites)}; the failing collective may be any of the graph's; "
-                "inner='eager' names the exact site and chunk)") from e
+                "inner='eager' names the exact site and chunk)"
+            ) from e
 
     call._boxed_call = getattr(fn, "_boxed_call", False)
     return call
