@@ -4,7 +4,7 @@ PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.overlapc-setup
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-all bench clean
+.PHONY: setup demo test test-all lint bench clean
 
 setup: $(STAMP)
 
@@ -16,7 +16,12 @@ demo: setup
 	$(PY) -m overlapc.demo
 
 test: setup
-	$(PY) -m pytest -q -m "not extended" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not extended" --durations=15 $(PYTEST_ARGS)
+
+# ruff's rules and format, configured in pyproject.toml.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 # Also the tests marked `extended` (a few minutes more: the full region chunk-count sweep,
 # dropless chunk counts, the world-4 dynamic-shape test, more MoE variants).

@@ -39,7 +39,7 @@ if ! "$PY" -c "import triton" 2>/dev/null; then
   echo "setup: installing triton"
   "${PIP[@]}" triton
 fi
-"${PIP[@]}" sympy networkx pytest hypothesis matplotlib
+"${PIP[@]}" sympy networkx pytest hypothesis matplotlib "ruff==0.17.6"
 # Real clients the tests load models with (optional: tests skip without them). torch is
 # already installed, so pip resolves their torch requirement to it.
 "${PIP[@]}" "transformers==5.25.0" "accelerate==1.16.0"
