@@ -182,6 +182,11 @@ def write_report(name: str, title: str, model: dict, rows: list[dict], cmd: str)
             f"host {socket.gethostname()}\n\n{body}\n"
         )
     common.write_json(f"tp_only_{name}.json", rows)
+    reports = sorted(f for f in os.listdir(os.path.dirname(path)) if f.endswith(f"_tp_only_{name}.md"))
+    links = ", ".join(f"[{f}](benchmarks/reports/{f})" for f in reports)
+    common.update_benchmarks_md(
+        f"TP without sequence parallelism, {title} (issue 33)", body + f"\n\nThis run and the others: {links}."
+    )
     print(body)
     print(f"wrote {path}")
     return path
