@@ -12,7 +12,7 @@ gain is below the profile's ``min_gain`` (the reason names the gain, the thresho
 shape and the predicted times). ``chunks="auto"`` takes the model's n under
 ``strategy="decompose"`` too: one n for the sites of a graph that chunk the same rows (so
 that their chunks can chain), the count of the best summed prediction (the fewest chunks
-within ``CHUNK_TIE`` of it; see ``_agree_on_chunks``). Every planned site carries its prediction in
+on a tie; see ``_agree_on_chunks``). Every planned site carries its prediction in
 ``details["predicted"]``.
 
 All-to-all regions (MoE dispatch -> experts -> combine, Ulysses projections -> all-to-all ->
@@ -52,10 +52,6 @@ from .sites import MatchedSite
 MAX_AUTO_CHUNKS = 4
 MIN_ROWS_PER_CHUNK = 32
 AUTO_MIN_BYTES = 1 << 20
-CHUNK_TIE = 0.0
-"""Counts whose summed prediction is within this of the best are ties (the fewest wins).
-0: on bench_plan's sweeps no band picked counts closer to the best fixed one than none
-(docs/cost_model.md#measurements-behind-calibration)."""
 MODELLED = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 FUSED_VERIFIED_ON = ("cpu",)
 """Devices whose fused kernels have passed the multi-process checks against eager, where
@@ -187,10 +183,11 @@ def plan_sites(sites: list[MatchedSite], options: Options, deps: DepGraph, profi
 
 
 def pick_count(times: dict[int, float]) -> int:
-    """The chunk count for predicted times by count: of the counts within ``CHUNK_TIE`` of
-    the fastest, the fewest."""
+    """The chunk count for predicted times by count: the fastest; of equal ones, the fewest.
+    (A tolerance band, counts within x% of the best taken as ties, picked no count closer to
+    the best fixed one on bench_plan's sweeps: docs/cost_model.md#measurements-behind-calibration.)"""
     best = min(times.values())
-    return min(c for c, t in times.items() if t <= best * (1 + CHUNK_TIE))
+    return min(c for c, t in times.items() if t <= best)
 
 
 def _agree_on_chunks(sites: list[MatchedSite], options: Options, profile) -> None:
@@ -199,8 +196,7 @@ def _agree_on_chunks(sites: list[MatchedSite], options: Options, profile) -> Non
     Such sites can chain (an MLP's all-gather chunks feed its reduce-scatter's chunks directly,
     passes/rows.py) only when their row layouts, hence their counts, are equal; and the
     model's curves are flat near their minimum. So the count is the one that minimises the
-    sites' summed predicted time; of the counts within ``CHUNK_TIE`` of that minimum, the
-    fewest."""
+    sites' summed predicted time; of equal ones, the fewest."""
     groups: dict[tuple, list[MatchedSite]] = {}
     for s in sites:
         pred = s.details.get("predicted")
