@@ -84,7 +84,7 @@ def build_hf(mesh, *, n_layers, dim, n_heads, ffn_dim, vocab_size, batch, seq):
     )
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as path:
-        LlamaForCausalLM(cfg).save_pretrained(path)
+        LlamaForCausalLM(cfg).save_pretrained(path, is_main_process=True)  # every rank writes its own copy
         model = LlamaForCausalLM.from_pretrained(
             path,
             distributed_config=DistributedConfig(tp_size=mesh.size(), tp_plan="auto"),

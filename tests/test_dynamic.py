@@ -7,6 +7,7 @@ with inner="eager", 1e-4 relative with inductor (fused reductions change summati
 
 from __future__ import annotations
 
+import eager_check
 import pytest
 import torch
 import torch.distributed as dist
@@ -170,18 +171,8 @@ def _run_batches(inner, batches, seq, options):
             out = out.to_local() if hasattr(out, "to_local") else out
             w = torch.randn(out.shape, generator=torch.Generator().manual_seed(step)).to(out.dtype)
             (out * w).sum().backward()
-            grads = {
-                n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
-                for n, p in params.named_parameters()
-                if p.grad is not None
-            }
-            outs.append((out.detach(), grads))
-        (r_out, r_g), (c_out, c_g) = outs
-        where = f"rank {dist.get_rank()} batch {b}"
-        torch.testing.assert_close(c_out, r_out, **tol, msg=lambda m: f"{where} forward: {m}")
-        assert r_g.keys() == c_g.keys()
-        for name in r_g:
-            torch.testing.assert_close(c_g[name], r_g[name], **tol, msg=lambda m: f"{where} grad {name}: {m}")
+            outs.append({"forward": out.detach(), **eager_check.grads(params)})
+        eager_check.assert_matches(outs[1], outs[0], tol, where=f"batch {b} ")
     sites = [s for s in be.report.sites if s.pattern != "collective"]
     return {
         "dynamo_graphs": counters["stats"]["unique_graphs"],

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import eager_check
 import pytest
 import torch
 import torch.distributed as dist
@@ -31,12 +32,7 @@ def _run(model, tokens, seed, fn=None):
     out = out.to_local() if hasattr(out, "to_local") else out
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
     (out * w).sum().backward()
-    grads = {
-        n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
-        for n, p in model.named_parameters()
-        if p.grad is not None
-    }
-    return {"output": out.detach(), **grads}
+    return {"output": out.detach(), **eager_check.grads(model)}
 
 
 def microbatch_job(config: dict) -> dict:

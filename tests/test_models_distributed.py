@@ -16,23 +16,12 @@ strategy "decompose" rewrites every site, whatever its size. Tolerances, fp32:
 
 from __future__ import annotations
 
+import eager_check
 import pytest
 import torch
 import torch.distributed as dist
 
 TOL = {"eager": dict(rtol=1e-5, atol=1e-5), "inductor": dict(rtol=1e-4, atol=1e-5)}
-
-
-def _grads(module, inputs):
-    out = {}
-    for name, p in module.named_parameters():
-        if p.grad is not None:
-            g = p.grad
-            out[name] = g.to_local() if hasattr(g, "to_local") else g
-    for i, x in enumerate(inputs):
-        if isinstance(x, torch.Tensor) and x.grad is not None:
-            out[f"input{i}"] = x.grad
-    return out
 
 
 def _step(model, inputs, seed):
@@ -69,13 +58,8 @@ def check_model(builder: str, inner: str, options: dict | None = None, **build_k
             return TOL[inner]
         return dict(rtol=1.6e-2, atol=max(2e-2, 2**-6 * ref.abs().max().item()))
 
-    torch.testing.assert_close(out, ref_out, **tol(ref_out), msg=lambda m: f"rank {dist.get_rank()} forward: {m}")
-    ref_g, got_g = _grads(ref_model, ref_inputs), _grads(model, inputs)
-    assert ref_g.keys() == got_g.keys(), (ref_g.keys(), got_g.keys())
-    for name in ref_g:
-        torch.testing.assert_close(
-            got_g[name], ref_g[name], **tol(ref_g[name]), msg=lambda m: f"rank {dist.get_rank()} grad {name}: {m}"
-        )
+    want = {"forward": ref_out, **eager_check.grads(ref_model, ref_inputs)}
+    eager_check.assert_matches({"forward": out, **eager_check.grads(model, inputs)}, want, tol)
     report = overlapc.last_report()
     sites = [s for s in report.sites if s.pattern != "collective"]
     assert sites, str(report)

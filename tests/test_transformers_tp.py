@@ -12,6 +12,7 @@ transformers and accelerate are optional test dependencies (scripts/setup.sh ins
 
 from __future__ import annotations
 
+import eager_check
 import pytest
 import torch
 import torch.distributed as dist
@@ -55,14 +56,6 @@ def _load(path):
     )
 
 
-def _grads(model):
-    return {
-        n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
-        for n, p in model.named_parameters()
-        if p.grad is not None
-    }
-
-
 def check_hf(path: str, inner: str, options: dict) -> dict:
     import overlapc
 
@@ -78,15 +71,13 @@ def check_hf(path: str, inner: str, options: dict) -> dict:
     overlapc.reset_report()
     compiled = torch.compile(model, backend="overlapc", options={"inner": inner, **options})
     want, got = step(ref), step(compiled)
-    rank = dist.get_rank()
-    for what, a, b in (("logits", got[0], want[0]), ("loss", got[1], want[1])):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank} {what}: {m}")
-    ref_g, got_g = _grads(ref), _grads(model)
-    assert ref_g.keys() == got_g.keys() and len(ref_g) == len(list(ref.parameters()))
-    for name in ref_g:
-        torch.testing.assert_close(
-            got_g[name], ref_g[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank} grad {name}: {m}"
-        )
+    ref_g = eager_check.grads(ref)
+    assert len(ref_g) == len(list(ref.parameters()))
+    eager_check.assert_matches(
+        {"logits": got[0], "loss": got[1], **eager_check.grads(model)},
+        {"logits": want[0], "loss": want[1], **ref_g},
+        dict(rtol=1e-5, atol=1e-5),
+    )
     report = overlapc.last_report()
     return {
         "coalesced": sorted(s.module for s in report.by(pattern="all_reduce_sum", status="rewritten")),
