@@ -66,6 +66,7 @@ with symmetric memory):
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import os
 from dataclasses import dataclass, field, replace
@@ -79,11 +80,8 @@ from overlapc.runtime.dropless import chunk_weights
 
 from . import ops
 
-PROFILE_DIR = Path(__file__).resolve().parent.parent / "overlapc" / "profiles"
-if not PROFILE_DIR.is_dir():  # installed (non-editable): overlapc/profiles next to overlapc/
-    import overlapc as _o
-
-    PROFILE_DIR = Path(_o.__file__).resolve().parent / "profiles"
+# The built-in profiles: package data of overlapc (pyproject's package-data), wherever it is installed.
+PROFILE_DIR = Path(str(importlib.resources.files("overlapc") / "profiles"))
 CACHE_DIR = Path(os.environ.get("OVERLAPC_CACHE", Path.home() / ".cache" / "overlapc"))
 BUILTIN = ("cpu-local", "cpu-default", "h100-nvlink", "h200-nvlink", "ib-400g")
 
