@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import sys
 import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 
 from benchmarks import common, harness
 
@@ -82,15 +84,24 @@ def build_hf(mesh, *, n_layers, dim, n_heads, ffn_dim, vocab_size, batch, seq):
         num_key_value_heads=n_heads,
         max_position_embeddings=seq,
     )
+    # transformers saves on rank 0 only (whatever is_main_process says): rank 0 writes, every
+    # rank reads the same files.
     torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as path:
-        LlamaForCausalLM(cfg).save_pretrained(path, is_main_process=True)  # every rank writes its own copy
-        model = LlamaForCausalLM.from_pretrained(
-            path,
-            distributed_config=DistributedConfig(tp_size=mesh.size(), tp_plan="auto"),
-            device_mesh=mesh,
-            dtype=torch.float32,
-        )
+    where = [tempfile.mkdtemp(prefix="overlapc-hf-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    path = where[0]
+    if dist.get_rank() == 0:
+        LlamaForCausalLM(cfg).save_pretrained(path)
+    dist.barrier()
+    model = LlamaForCausalLM.from_pretrained(
+        path,
+        distributed_config=DistributedConfig(tp_size=mesh.size(), tp_plan="auto"),
+        device_mesh=mesh,
+        dtype=torch.float32,
+    )
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
     ids = torch.randint(0, vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     return _Logits(model), (ids,)
 

@@ -215,170 +215,19 @@ def _concurrent_excess(issue, link: float, group, reps: int) -> float:
 
 
 def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str = "cpu-local") -> dict:
+    """This machine's and ``group``'s cost-model profile (every rank of ``group`` calls it; all
+    get rank 0's numbers). The measurements run in a fixed order, each collective on every rank."""
     from overlapc.passes import ops
 
     group = group or dist.group.WORLD
     world = dist.get_world_size(group)
     gemm, points = {}, {}
     for dt in dtypes:
-        dtype = getattr(torch, dt)
-        # How the rate falls with the rows (M), as a chunk's GEMM streams the whole weight
-        # for a fraction of the rows: one weight applied to 32 .. 512 rows (mm; and bmm, as
-        # per-expert GEMMs are, where it shows more). A line through five sizes, interleaved,
-        # is steadier under timing noise than the ratio of two (measurements: docs/cost_model.md).
-        # half_flops (a fixed cost per call) comes from the square GEMMs' fit and is taken out
-        # of the rows term; then peak and half_flops are refitted without it.
-        flops, times = [], []
-        for m, n, k in GEMM_SIZES:
-            a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-            flops.append(2 * m * n * k)
-            times.append(_median(lambda: torch.mm(a, b), reps))
-        points[dt] = [[f, round(t, 9)] for f, t in zip(flops, times)]
-
-        def fit(half_rows):  # (rate, half_flops) of the times without the rows term
-            icpt, slope = _fit(flops, [t / (1 + half_rows / m) for t, (m, _, _) in zip(times, GEMM_SIZES)])
-            rate = 1 / slope if slope > 0 else max(f / t for f, t in zip(flops, times))
-            return rate, max(0.0, icpt * rate)
-
-        _, half = fit(0.0)
-        half_rows = _rows_term(dtype, False, half, reps)
-        half_rows_batched = _rows_term(dtype, True, half, reps)
-        rate, half = fit(half_rows)
-        gemm[dt] = {
-            "peak_tflops": rate / 1e12,
-            "eff_max": 1.0,
-            "half_gflop": half / 1e9,
-            "half_rows": round(half_rows, 1),
-            "half_rows_batched": round(half_rows_batched, 1),
-        }
-    # All-gathers and all-to-alls at every size: the model reads these curves (bytes of one
-    # rank's input -> time) where it has numbers. A link's rate per byte need not be
-    # constant: over TCP on a shaped veth a 16 MiB all-to-all runs at 52-66% of the rate
-    # that 2 MiB ones reach, so chunks can be faster per byte than the whole. Each point is
-    # the time per message of a back-to-back run of at least
-    # STREAM_BYTES (a lone small message rides a token-bucket shaper's burst and looks faster
-    # than the link, which a pipeline's chunks, sent one after another, are not).
-    # Reduce-scatters keep alpha-beta times rs_factor: priced by their own curve, chunked
-    # ones (issued at once, two at a time on gloo's threads) came out up to 58% too cheap on
-    # bench_plan's timings (alpha-beta: at most 16%).
-    xs, ys, ratio = [], [], []
-    curves = {"all_gather": [], "all_to_all": []}
-    for nbytes in COMM_BYTES:
-        x = torch.empty(nbytes // 4, dtype=torch.float32)
-        out = torch.empty(world * x.numel(), dtype=torch.float32)
-        out2 = torch.empty_like(out)
-        t = _comm_time(lambda: _all_gather(out, x, group=group), group, reps)
-        xs.append((world - 1) * nbytes)
-        ys.append(t)
-        k = min(32, max(1, -(-STREAM_BYTES // (world * nbytes))))  # tiny ones: latency, not the burst
-
-        def stream(op):
-            for _ in range(k):
-                op()
-
-        # One message per run (the largest): three times the runs, their times being bimodal.
-        n = reps if k > 1 else 3 * reps
-        t_ag = _comm_time(lambda: stream(lambda: _all_gather(out, x, group=group)), group, n)
-        t_a2a = _comm_time(lambda: stream(lambda: dist.all_to_all_single(out2, out, group=group)), group, n)
-        curves["all_gather"].append([nbytes, round(t_ag / k, 9)])
-        curves["all_to_all"].append([world * nbytes, round(t_a2a / k, 9)])
-        if nbytes in COMM_BYTES[-2:]:  # the reduce-scatter factor is taken from the largest two
-            t_rs = _comm_time(lambda: _reduce_scatter(x, out, group=group), group, reps)
-            ratio.append((t_rs, world * nbytes))
-    # Bandwidth from the large transfers (a least-squares intercept over all sizes would be
-    # dominated by the large ones and is often negative: latency is measured on its own).
-    _, slope = _fit(xs[-3:], ys[-3:])
-    beta = 1 / slope if slope > 0 else max(x / y for x, y in zip(xs, ys))
-    # Alpha: 16 tiny all-gathers in a row, each waited on (as a chunked pipeline issues them
-    # on gloo); the mean latency per ring step. (One lone message is too noisy, and chunks
-    # of real sizes ride the shaper's burst bucket, which hides latency that a pipeline's
-    # chunks, spread out in time, do pay.)
-    tiny_in, tiny_out = torch.empty(16), torch.empty(16 * world)
-
-    def tiny_seq():
-        for _ in range(16):
-            _all_gather(tiny_out, tiny_in, group=group)
-
-    alpha = max(_comm_time(tiny_seq, group, reps) / (16 * max(world - 1, 1)), 1e-6)
-    # How much longer latency is with GEMMs (~1 ms ones) running on the rank, per kind: 16
-    # tiny all-gathers, 16 tiny reduce-scatters (1.0-2.3 on the emulated cluster, larger
-    # with more ranks and faster links: docs/cost_model.md#measurements-behind-calibration).
-    tiny_rs = torch.empty(16)
-
-    def tiny_rs_seq():
-        for _ in range(16):
-            _reduce_scatter(tiny_rs, tiny_out, group=group)
-
-    load_a, load_b = torch.randn(256, 512), torch.randn(512, 512)
-    loaded_latency = {
-        kind: round(_loaded_latency(seq, load_a, load_b, group, 2 * reps), 2)
-        for kind, seq in (("all_gather", tiny_seq), ("reduce_scatter", tiny_rs_seq))
-    }
-
-    # reduce-scatter of B input bytes vs the ring formula for it
-    def ring(b):
-        return (world - 1) * alpha + (world - 1) / world * b / beta
-
-    rs = [t / ring(b) for t, b in ratio]
-    rs_factor = round(sum(rs) / len(rs), 2)
-    # A large reduce-scatter (RS_BIG input bytes) runs slower per byte than the ones the
-    # factor is fitted on (a 32 MiB one 1.1-1.6x the factor's time on the emulated cluster):
-    # its excess over the formula, priced from the largest fitted
-    # size up (chunks, smaller, are not affected).
-    x_big, in_big = torch.empty(RS_BIG // 4 // world), torch.empty(RS_BIG // 4)
-    t_big = _comm_time(lambda: _reduce_scatter(x_big, in_big, group=group), group, max(3, reps // 2))
-    b_fit = max(b for _, b in ratio)
-    rs_large = [[b_fit, 0.0], [RS_BIG, round(max(0.0, t_big - rs_factor * ring(RS_BIG)), 9)]]
-    # Per chunk, the rewritten graph also runs a few more small ops (slice, view, cat part).
-    tiny = torch.randn(8, 8)
-    overhead = 6 * _median(lambda: torch.mm(tiny, tiny), reps)
-    # Overlap losses. Each is taken from three timings interleaved round by round (the
-    # transfer alone, the GEMMs alone, both started together), so that drift and the other
-    # ranks' load hit all three alike (a transfer timed minutes earlier, or a GEMM timed
-    # without a barrier, made the loss swing 0.4-1.0 between calibrations of one cluster).
-    # overlap_loss: an all-gather and GEMMs of about the same duration; the part of the
-    # shorter that did not hide. comm_loss: an all-gather, and a reduce-scatter of the same
-    # output, each with GEMMs of about half its time under it; how much the transfer was
-    # lengthened per second of GEMM. Near 0 where the link is the bottleneck, up to 1 where
-    # moving bytes is CPU work that the GEMMs take cores from
-    # (docs/cost_model.md#measurements-behind-calibration).
-    a = torch.randn(512, 1024)
-    b = torch.randn(1024, 1024)
-    t_mm = _median(lambda: torch.mm(a, b), reps)
-    big = torch.empty(COMM_BYTES[-1] // 4)
-    big_out = torch.empty(world * big.numel())
-    rs_in = torch.empty(world * big.numel())
-
-    def ag():
-        return _all_gather(big_out, big, group=group, async_op=True)
-
-    def rs_op():
-        return _reduce_scatter(big, rs_in, group=group, async_op=True)
-
-    loss = _pair_loss(ag, a, b, max(1, round(ys[-1] / t_mm)), group, reps)
-    comm_loss = {
-        "all_gather": _pair_loss(ag, a, b, max(1, round(0.5 * ys[-1] / t_mm)), group, reps),
-        "reduce_scatter": _pair_loss(rs_op, a, b, max(1, round(0.5 * ratio[-1][0] / t_mm)), group, reps),
-    }
-    # Several all-to-alls of one chunk issued at once (Ulysses' q, k, v) run side by side on
-    # gloo's threads: a big one's time beyond the link's rate (one TCP connection does not
-    # fill a shaped link) partly hides (docs/cost_model.md#measurements-behind-calibration).
-    a2a_in, a2a_out = torch.empty(world * COMM_BYTES[-1] // 4), torch.empty(world * COMM_BYTES[-1] // 4)
-    a2a_rate = min(t / b for b, t in curves["all_to_all"])
-    excess = _concurrent_excess(
-        lambda: dist.all_to_all_single(a2a_out, a2a_in, group=group, async_op=True),
-        a2a_rate * world * COMM_BYTES[-1],
-        group,
-        reps,
-    )
-    # Local copy rate (read + write of a 64 MiB tensor counted once), for the concatenations.
-    src = torch.empty(1 << 24, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    copy_bw = src.numel() * 4 / _median(lambda: dst.copy_(src), reps)
-    # Outputs of FRESH_BYTES and more page-fault on every call: whole GEMMs of big sites run
-    # below the rate fitted on small ones, and their chunks (smaller outputs) do not pay it
-    # (docs/cost_model.md#measurements-behind-calibration).
-    fresh_bw = _fresh_bw(reps)
+        gemm[dt], points[dt] = _measure_gemm(getattr(torch, dt), reps)
+    link = _measure_link(group, world, reps)
+    alpha, tiny_seqs = _measure_latency(group, world, reps)
+    rs_factor, rs_large = _measure_reduce_scatter(link, alpha, group, world, reps)
+    loss, comm_loss = _measure_overlap(link, group, world, reps)
     prof = {
         "name": name,
         "source": (
@@ -389,27 +238,200 @@ def measure(group=None, dtypes=("float32", "bfloat16"), reps: int = 9, name: str
             f"{COMM_BYTES[-2:]} B"
         ),
         "gemm": gemm,
-        "link": {"alpha_us": alpha * 1e6, "beta_gbps": beta / 1e9},
-        "chunk_overhead_us": overhead * 1e6,
-        "copy_gbps": copy_bw / 1e9,
+        "link": {"alpha_us": alpha * 1e6, "beta_gbps": link["beta"] / 1e9},
         "overlap_loss": round(loss, 3),
         "comm_loss": {k: round(v, 3) for k, v in comm_loss.items()},
         "min_gain": 0.03,
         "concurrent_reductions": dist.get_backend(group) == "gloo",
         "comm_threads": ops.group_comm_threads(group.group_name) or 1,
-        "concurrent_excess": round(excess, 3),
-        "loaded_latency": loaded_latency,
-        "fresh_alloc": {"bytes": FRESH_BYTES, "gbps": round(fresh_bw / 1e9, 3)} if fresh_bw else None,
+        "concurrent_excess": round(_measure_concurrency(link, group, world, reps), 3),
+        "loaded_latency": _measure_loaded_latency(tiny_seqs, group, reps),
         "rs_factor": rs_factor,
         "rs_large": rs_large,
         "fused_efficiency": None,
-        "curves": curves,
+        "curves": link["curves"],
         "curves_world": world,
-        "measured": {"mm_flops_s": points, "all_gather_bytes_s": [[x, round(y, 9)] for x, y in zip(xs, ys)]},
+        "measured": {"mm_flops_s": points, "all_gather_bytes_s": [[x, round(y, 9)] for x, y in link["ring"]]},
+        **_measure_local(reps),
     }
     obj = [prof]
     dist.broadcast_object_list(obj, src=dist.get_global_rank(group, 0), group=group)
     return obj[0]
+
+
+def _measure_gemm(dtype, reps: int) -> tuple[dict, list]:
+    """GEMM rate, fixed cost per call and rows term of one dtype; and the (flops, s) points.
+
+    How the rate falls with the rows (M), as a chunk's GEMM streams the whole weight for a
+    fraction of the rows: one weight applied to 32 .. 512 rows (mm; and bmm, as per-expert
+    GEMMs are, where it shows more). A line through five sizes, interleaved, is steadier under
+    timing noise than the ratio of two (docs/cost_model.md). half_flops (a fixed cost per call)
+    comes from the square GEMMs' fit and is taken out of the rows term; then peak and
+    half_flops are refitted without it."""
+    flops, times = [], []
+    for m, n, k in GEMM_SIZES:
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        flops.append(2 * m * n * k)
+        times.append(_median(lambda: torch.mm(a, b), reps))
+
+    def fit(half_rows):  # (rate, half_flops) of the times without the rows term
+        icpt, slope = _fit(flops, [t / (1 + half_rows / m) for t, (m, _, _) in zip(times, GEMM_SIZES)])
+        rate = 1 / slope if slope > 0 else max(f / t for f, t in zip(flops, times))
+        return rate, max(0.0, icpt * rate)
+
+    _, half = fit(0.0)
+    half_rows = _rows_term(dtype, False, half, reps)
+    half_rows_batched = _rows_term(dtype, True, half, reps)
+    rate, half = fit(half_rows)
+    return {
+        "peak_tflops": rate / 1e12,
+        "eff_max": 1.0,
+        "half_gflop": half / 1e9,
+        "half_rows": round(half_rows, 1),
+        "half_rows_batched": round(half_rows_batched, 1),
+    }, [[f, round(t, 9)] for f, t in zip(flops, times)]
+
+
+def _measure_link(group, world: int, reps: int) -> dict:
+    """All-gather and all-to-all curves (bytes of one rank's input -> s), the ring points and
+    bandwidth, and reduce-scatter times at the two largest sizes.
+
+    The model reads the curves where it has numbers: a link's rate per byte need not be
+    constant (over TCP on a shaped veth a 16 MiB all-to-all runs at 52-66% of the rate 2 MiB
+    ones reach, so chunks can be faster per byte than the whole). Each point is the time per
+    message of a back-to-back run of at least STREAM_BYTES: a lone small message rides a
+    token-bucket shaper's burst and looks faster than the link, which a pipeline's chunks,
+    sent one after another, are not."""
+    ring, rs_times = [], []
+    curves = {"all_gather": [], "all_to_all": []}
+    for nbytes in COMM_BYTES:
+        x = torch.empty(nbytes // 4, dtype=torch.float32)
+        out = torch.empty(world * x.numel(), dtype=torch.float32)
+        out2 = torch.empty_like(out)
+        ring.append(((world - 1) * nbytes, _comm_time(lambda: _all_gather(out, x, group=group), group, reps)))
+        k = min(32, max(1, -(-STREAM_BYTES // (world * nbytes))))  # tiny ones: latency, not the burst
+
+        def stream(op, k=k):
+            for _ in range(k):
+                op()
+
+        n = reps if k > 1 else 3 * reps  # one message per run (the largest): bimodal times, more runs
+        t_ag = _comm_time(lambda: stream(lambda: _all_gather(out, x, group=group)), group, n)
+        t_a2a = _comm_time(lambda: stream(lambda: dist.all_to_all_single(out2, out, group=group)), group, n)
+        curves["all_gather"].append([nbytes, round(t_ag / k, 9)])
+        curves["all_to_all"].append([world * nbytes, round(t_a2a / k, 9)])
+        if nbytes in COMM_BYTES[-2:]:  # the reduce-scatter factor is taken from the largest two
+            rs_times.append((_comm_time(lambda: _reduce_scatter(x, out, group=group), group, reps), world * nbytes))
+    # Bandwidth from the large transfers (a least-squares intercept over all sizes would be
+    # dominated by the large ones and is often negative: latency is measured on its own).
+    xs, ys = zip(*ring)
+    _, slope = _fit(xs[-3:], ys[-3:])
+    beta = 1 / slope if slope > 0 else max(x / y for x, y in ring)
+    return {"ring": ring, "beta": beta, "curves": curves, "rs_times": rs_times}
+
+
+def _measure_latency(group, world: int, reps: int):
+    """Alpha, the mean latency per ring step of 16 tiny all-gathers in a row, each waited on
+    (as a chunked pipeline issues them on gloo); and the two tiny sequences (all-gathers,
+    reduce-scatters) that the loaded latency is measured with. One lone message is too noisy,
+    and chunks of real sizes ride the shaper's burst bucket, which hides latency that a
+    pipeline's chunks, spread out in time, do pay."""
+    tiny_in, tiny_out, tiny_rs = torch.empty(16), torch.empty(16 * world), torch.empty(16)
+
+    def tiny_seq():
+        for _ in range(16):
+            _all_gather(tiny_out, tiny_in, group=group)
+
+    def tiny_rs_seq():
+        for _ in range(16):
+            _reduce_scatter(tiny_rs, tiny_out, group=group)
+
+    alpha = max(_comm_time(tiny_seq, group, reps) / (16 * max(world - 1, 1)), 1e-6)
+    return alpha, {"all_gather": tiny_seq, "reduce_scatter": tiny_rs_seq}
+
+
+def _measure_loaded_latency(tiny_seqs: dict, group, reps: int) -> dict:
+    """How much longer latency is with GEMMs (~1 ms ones) running on the rank, per kind
+    (1.0-2.3 on the emulated cluster, larger with more ranks and faster links:
+    docs/cost_model.md#measurements-behind-calibration)."""
+    a, b = torch.randn(256, 512), torch.randn(512, 512)
+    return {kind: round(_loaded_latency(seq, a, b, group, 2 * reps), 2) for kind, seq in tiny_seqs.items()}
+
+
+def _measure_reduce_scatter(link: dict, alpha: float, group, world: int, reps: int):
+    """rs_factor, reduce-scatter time over the ring formula's; and rs_large, the excess of a
+    large one (RS_BIG input bytes: 1.1-1.6x the factor's time on the emulated cluster), priced
+    from the largest fitted size up (chunks, smaller, are not affected). Reduce-scatters keep
+    alpha-beta times rs_factor: priced by their own curve, chunked ones (issued at once, two
+    at a time on gloo's threads) came out up to 58% too cheap on bench_plan's timings
+    (alpha-beta: at most 16%)."""
+
+    def ring(b):
+        return (world - 1) * alpha + (world - 1) / world * b / link["beta"]
+
+    rs = [t / ring(b) for t, b in link["rs_times"]]
+    rs_factor = round(sum(rs) / len(rs), 2)
+    x_big, in_big = torch.empty(RS_BIG // 4 // world), torch.empty(RS_BIG // 4)
+    t_big = _comm_time(lambda: _reduce_scatter(x_big, in_big, group=group), group, max(3, reps // 2))
+    b_fit = max(b for _, b in link["rs_times"])
+    return rs_factor, [[b_fit, 0.0], [RS_BIG, round(max(0.0, t_big - rs_factor * ring(RS_BIG)), 9)]]
+
+
+def _measure_overlap(link: dict, group, world: int, reps: int):
+    """overlap_loss: an all-gather and GEMMs of about the same duration; the part of the
+    shorter that did not hide. comm_loss: an all-gather, and a reduce-scatter of the same
+    output, each with GEMMs of about half its time under it; how much the transfer was
+    lengthened per second of GEMM. Near 0 where the link is the bottleneck, up to 1 where moving
+    bytes is CPU work that the GEMMs take cores from. Each is taken from three timings
+    interleaved round by round (transfer alone, GEMMs alone, both), so that drift and the
+    other ranks' load hit all three alike (docs/cost_model.md#measurements-behind-calibration)."""
+    a, b = torch.randn(512, 1024), torch.randn(1024, 1024)
+    t_mm = _median(lambda: torch.mm(a, b), reps)
+    big = torch.empty(COMM_BYTES[-1] // 4)
+    big_out, rs_in = torch.empty(world * big.numel()), torch.empty(world * big.numel())
+
+    def ag():
+        return _all_gather(big_out, big, group=group, async_op=True)
+
+    def rs_op():
+        return _reduce_scatter(big, rs_in, group=group, async_op=True)
+
+    t_ag, t_rs = link["ring"][-1][1], link["rs_times"][-1][0]
+    loss = _pair_loss(ag, a, b, max(1, round(t_ag / t_mm)), group, reps)
+    return loss, {
+        "all_gather": _pair_loss(ag, a, b, max(1, round(0.5 * t_ag / t_mm)), group, reps),
+        "reduce_scatter": _pair_loss(rs_op, a, b, max(1, round(0.5 * t_rs / t_mm)), group, reps),
+    }
+
+
+def _measure_concurrency(link: dict, group, world: int, reps: int) -> float:
+    """Several all-to-alls of one chunk issued at once (Ulysses' q, k, v) run side by side on
+    gloo's threads: a big one's time beyond the link's rate (one TCP connection does not fill
+    a shaped link) partly hides (docs/cost_model.md#measurements-behind-calibration)."""
+    a2a_in, a2a_out = torch.empty(world * COMM_BYTES[-1] // 4), torch.empty(world * COMM_BYTES[-1] // 4)
+    a2a_rate = min(t / b for b, t in link["curves"]["all_to_all"])
+    return _concurrent_excess(
+        lambda: dist.all_to_all_single(a2a_out, a2a_in, group=group, async_op=True),
+        a2a_rate * world * COMM_BYTES[-1],
+        group,
+        reps,
+    )
+
+
+def _measure_local(reps: int) -> dict:
+    """This rank's own costs: the few small ops a chunk adds (slice, view, cat part), the copy
+    rate (read + write of 64 MiB counted once, for concatenations), and the rate of outputs of
+    FRESH_BYTES and more, which page-fault on every call (whole GEMMs of big sites run below
+    the rate fitted on small ones; their chunks do not pay it)."""
+    tiny = torch.randn(8, 8)
+    src = torch.empty(1 << 24, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    fresh_bw = _fresh_bw(reps)
+    return {
+        "chunk_overhead_us": 6 * _median(lambda: torch.mm(tiny, tiny), reps) * 1e6,
+        "copy_gbps": src.numel() * 4 / _median(lambda: dst.copy_(src), reps) / 1e9,
+        "fresh_alloc": {"bytes": FRESH_BYTES, "gbps": round(fresh_bw / 1e9, 3)} if fresh_bw else None,
+    }
 
 
 def calibrate_job(threads: int = 1):
