@@ -104,6 +104,16 @@ def write_report(name: str, title: str, model: dict, rows: list[dict], cmd: str)
             + " | ".join(_cell(r["t_base"], v[n]) if n in v else "n/a" for n in ("default", "measure", *BEST_OF))
             + f" | {best / v['default']:.2f} |"
         )
+    lines += [
+        "",
+        "What option adapt kept in the first calls (graph: program kept, planned / baseline ms at the slowest rank):",
+        "",
+    ]
+    for r in rows:
+        for n in ("default", "measure"):
+            got = r.get("variants", {}).get(n, {}).get("adapted") or []
+            text = "; ".join(f"{g}: {kept} ({p:.0f} / {b:.0f})" for g, kept, p, b in got) or "no graph raced"
+            lines.append(f"- {r['rate_mbit']:.0f} Mbit/s, world {r['world_size']}, {r['mode']}, {n}: {text}")
     body = "\n".join(lines)
     stamp = time.strftime("%Y-%m-%d_%H%M")
     os.makedirs(os.path.join(common.ROOT, "benchmarks", "reports"), exist_ok=True)
