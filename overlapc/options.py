@@ -46,11 +46,11 @@ class Options:
     hardware: str | None = None
     """Cost-model profile: "cpu-local" (``overlapc calibrate``), "cpu-default", "h100-nvlink", "h200-nvlink",
     "ib-400g", or the path of a profile JSON file; None: the profile of the machine this runs on."""
-    measure: bool = False
+    measure: bool = True
     """Where ``hardware`` is None: time the graph's collectives on the live process group when it is
-    compiled (every rank together, cached), so the planner prices the user's own network. Off by default:
-    the links are timed alone, and where moving bytes takes the cores the GEMMs need (gloo at high rates)
-    the plans it leads to ran slower than the baseline (BENCHMARKS.md). See overlapc/runtime/live.py."""
+    compiled (every rank together, cached), so the planner prices the user's own network rather than a
+    profile's (overlapc/runtime/live.py). Links are timed alone; where moving bytes takes the cores the
+    GEMMs need, the plan that follows can lose, and option ``adapt`` then keeps the captured graph."""
     adapt: int = 3
     """Under strategy "auto": for a graph the planner rewrote, run the rewritten program and the graph as
     captured alternately for this many timed calls each (after one warm-up call each), then keep the one

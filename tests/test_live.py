@@ -81,14 +81,14 @@ def live_job(case: dict, cache_dir: str) -> dict:
     out = {}
     with _Patched(case["rate"], cache_dir) as calls:
         torch._dynamo.reset()
-        be = overlapc.backend(inner="eager", microbatches=1)  # the default: the profile's numbers, no collective
+        be = overlapc.backend(inner="eager", microbatches=1, measure=False)  # the profile's numbers, no collective
         torch.compile(fn, backend=be)(torch.randn(256, 1024), torch.randn(1024, 1024))
         site = next(s for s in be.report.sites if s.pattern == "all_gather_matmul")
-        out["default"] = {"numbers": site.details["predicted"]["numbers"], "measured": len(calls)}
+        out["off"] = {"numbers": site.details["predicted"]["numbers"], "measured": len(calls)}
         for step, dtype in (("first", torch.float32), ("again", torch.float32), ("bf16", torch.bfloat16)):
             torch._dynamo.reset()
             before = len(calls)
-            be = overlapc.backend(inner="eager", microbatches=1, measure=True)
+            be = overlapc.backend(inner="eager", microbatches=1)  # the default: measure=True
             x, w = torch.randn(256, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
             torch.compile(fn, backend=be)(x, w)
             got = [s for s in _sites(be).values() if s.pattern == "all_gather_matmul"]
@@ -116,7 +116,7 @@ def test_slow_link_rewrites_fast_link_skips(world2, tmp_path):
     # every rank holds the slowest rank's numbers: the same predicted gain everywhere
     assert slow[0]["first"]["gain"] == slow[1]["first"]["gain"]
     for r in slow + fast:
-        assert r["default"] == {"numbers": "modelled", "measured": 0}, r  # measure=False by default
+        assert r["off"] == {"numbers": "modelled", "measured": 0}, r  # measure=False: nothing runs
         # a recompile measures nothing: the numbers are the memo's
         assert r["again"]["numbers"] == "cached" and r["again"]["measured"] == 0, r
         # another dtype is another key: measured anew
