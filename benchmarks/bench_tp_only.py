@@ -113,6 +113,7 @@ def main(argv=None) -> int:
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     p.add_argument("--modes", nargs="+", default=["train", "forward"], choices=["train", "forward"])
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--inner", default="eager", choices=["eager", "inductor"])
     args = p.parse_args(argv)
     builder, title, model = MODELS[args.model]
     bench = harness.Bench(builder=builder, stem=f"tp_only_{args.model}", section="", title=title, describe="")
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
             world_sizes=args.world_sizes,
             modes=args.modes,
             rate=str(rate),
-            inner="eager",
+            inner=args.inner,
             chunks="auto",
             iters=args.iters,
             variant=VARIANTS,
@@ -140,7 +141,7 @@ def _mib(n: int) -> str:
 
 def write_report(name: str, title: str, model: dict, rows: list[dict], cmd: str) -> str:
     lines = [
-        f"{title} ({', '.join(f'{k} {v}' for k, v in model.items())}, fp32, inner eager), emulated "
+        f"{title} ({', '.join(f'{k} {v}' for k, v in model.items())}, fp32, inner {rows[0]['inner']}), emulated "
         "cluster (one network namespace per rank, veth + tbf), one torch thread per rank, 2 CPU cores. "
         "Medians of interleaved steps; speedups against T_base in the same run. T_comm: the baseline's "
         "collectives replayed alone.",
