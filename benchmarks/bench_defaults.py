@@ -21,10 +21,7 @@ benchmarks/reports/DATE_HOST_defaults_MODEL.md and a section of BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import sys
-import time
 
 from benchmarks import common, harness
 
@@ -115,23 +112,13 @@ def write_report(name: str, title: str, model: dict, rows: list[dict], cmd: str)
             text = "; ".join(f"{g}: {kept} ({p:.0f} / {b:.0f})" for g, kept, p, b in got) or "no graph raced"
             lines.append(f"- {r['rate_mbit']:.0f} Mbit/s, world {r['world_size']}, {r['mode']}, {n}: {text}")
     body = "\n".join(lines)
-    stamp = time.strftime("%Y-%m-%d_%H%M")
-    os.makedirs(os.path.join(common.ROOT, "benchmarks", "reports"), exist_ok=True)
-    path = os.path.join(common.ROOT, "benchmarks", "reports", f"{stamp}_{socket.gethostname()}_defaults_{name}.md")
-    with open(path, "w") as f:
-        f.write(
-            f"# Defaults against the best variant: {title}\n\n{time.strftime('%Y-%m-%d %H:%M')} UTC, "
-            f"host {socket.gethostname()}\n\n{body}\n"
-        )
-    common.write_json(f"defaults_{name}.json", rows)
-    reports = sorted(f for f in os.listdir(os.path.dirname(path)) if f.endswith(f"_defaults_{name}.md"))
-    links = ", ".join(f"[{f}](benchmarks/reports/{f})" for f in reports)
-    common.update_benchmarks_md(
+    return common.write_run_report(
+        f"defaults_{name}",
+        f"Defaults against the best variant: {title}",
         f"Defaults against the best variant, {title} (issue 32)",
-        body + f"\n\nThis run and the others at other rates or worlds: {links}.",
+        body,
+        rows,
     )
-    print(body)
-    return path
 
 
 if __name__ == "__main__":

@@ -22,12 +22,9 @@ Writes benchmarks/reports/DATE_HOST_tp_only_MODEL.md and a section of BENCHMARKS
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import socket
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -185,23 +182,13 @@ def write_report(name: str, title: str, model: dict, rows: list[dict], cmd: str)
             + " |"
         )
     body = "\n".join(lines)
-    stamp = time.strftime("%Y-%m-%d_%H%M")
-    os.makedirs(os.path.join(common.ROOT, "benchmarks", "reports"), exist_ok=True)
-    path = os.path.join(common.ROOT, "benchmarks", "reports", f"{stamp}_{socket.gethostname()}_tp_only_{name}.md")
-    with open(path, "w") as f:
-        f.write(
-            f"# TP without sequence parallelism: {title}\n\n{time.strftime('%Y-%m-%d %H:%M')} UTC, "
-            f"host {socket.gethostname()}\n\n{body}\n"
-        )
-    common.write_json(f"tp_only_{name}.json", rows)
-    reports = sorted(f for f in os.listdir(os.path.dirname(path)) if f.endswith(f"_tp_only_{name}.md"))
-    links = ", ".join(f"[{f}](benchmarks/reports/{f})" for f in reports)
-    common.update_benchmarks_md(
-        f"TP without sequence parallelism, {title} (issue 33)", body + f"\n\nThis run and the others: {links}."
+    return common.write_run_report(
+        f"tp_only_{name}",
+        f"TP without sequence parallelism: {title}",
+        f"TP without sequence parallelism, {title} (issue 33)",
+        body,
+        rows,
     )
-    print(body)
-    print(f"wrote {path}")
-    return path
 
 
 if __name__ == "__main__":

@@ -294,6 +294,26 @@ def write_json(name: str, data) -> str:
     return path
 
 
+def write_run_report(stem: str, heading: str, section: str, body: str, rows) -> str:
+    """A run's own report, benchmarks/reports/DATE_HOST_STEM.md; its rows as results/STEM.json;
+    and BENCHMARKS.md's ``section`` replaced by ``body`` with links to every report of ``stem``."""
+    import socket
+
+    reports_dir = os.path.join(ROOT, "benchmarks", "reports")
+    os.makedirs(reports_dir, exist_ok=True)
+    path = os.path.join(reports_dir, f"{time.strftime('%Y-%m-%d_%H%M')}_{socket.gethostname()}_{stem}.md")
+    with open(path, "w") as f:
+        f.write(f"# {heading}\n\n{time.strftime('%Y-%m-%d %H:%M')} UTC, host {socket.gethostname()}\n\n{body}\n")
+    write_json(f"{stem}.json", rows)
+    links = ", ".join(
+        f"[{f}](benchmarks/reports/{f})" for f in sorted(os.listdir(reports_dir)) if f.endswith(f"_{stem}.md")
+    )
+    update_benchmarks_md(section, body + f"\n\nThis run and the others: {links}.")
+    print(body)
+    print(f"wrote {path}")
+    return path
+
+
 def update_benchmarks_md(section: str, body: str) -> str:
     """Replace (or append) the section ``## {section}`` of BENCHMARKS.md."""
     path = os.path.join(ROOT, "BENCHMARKS.md")
