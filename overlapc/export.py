@@ -42,7 +42,15 @@ def rewrite(ep, *, options: dict | Options | None = None):
             "overlapc.rewrite takes a torch.export.ExportedProgram (from torch.export.export or "
             f"torch.export.load); got {type(ep).__name__}"
         )
-    opts = Options.from_user(options)
+    # Planned once, ahead of time: the plan depends on the options, not on link timings taken
+    # while the program is rewritten (measure=True in ``options`` still asks for them).
+    given = dataclasses.asdict(options) if isinstance(options, Options) else dict(options or {})
+    given.setdefault("measure", False)
+    if _is_joint(ep):
+        # Micro-batch slices of a joint forward + backward program give the scheduler a cycle
+        # (passes/schedule.py refuses it): not chosen unless asked for.
+        given.setdefault("microbatches", 1)
+    opts = Options.from_user(given)
     if "fuse" in (opts.strategy, *(o.get("strategy") for o in opts.overrides.values())):
         raise OverlapError(
             "strategy 'fuse' is not available to overlapc.rewrite: the fused kernels are Triton "
@@ -52,7 +60,15 @@ def rewrite(ep, *, options: dict | Options | None = None):
     # Core ATen: the ops the matchers read. A new program; ``ep`` stays as it was.
     ep = ep.run_decompositions(_decompositions())
     gm = copy_graph_module(ep.graph_module)
-    rows = optimize(gm, "inference", opts)
+    try:
+        rows = optimize(gm, "inference", opts)
+    except RuntimeError as e:
+        if "cycle" not in str(e):
+            raise
+        raise OverlapError(
+            f"overlapc.rewrite could not schedule this program ({e}); with micro-batch slices "
+            "(option microbatches) on a joint forward + backward program, pass microbatches=1"
+        ) from e
     fused = [r.name for r in rows if r.strategy == "fuse"]
     if fused:  # a profile that prices fused kernels, under strategy "auto"
         raise OverlapError(
@@ -66,6 +82,16 @@ def rewrite(ep, *, options: dict | Options | None = None):
     with _GLOBAL_LOCK:
         _GLOBAL_REPORT.extend(rows)
     return out
+
+
+def _is_joint(ep) -> bool:
+    """A program whose outputs include gradients (torch.export's joint forward + backward)."""
+    from torch.export.graph_signature import OutputKind
+
+    return any(
+        spec.kind in (OutputKind.GRADIENT_TO_PARAMETER, OutputKind.GRADIENT_TO_USER_INPUT, OutputKind.LOSS_OUTPUT)
+        for spec in ep.graph_signature.output_specs
+    )
 
 
 def _linear(x, w, b=None):

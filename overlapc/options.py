@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -46,8 +47,9 @@ class Options:
     hardware: str | None = None
     """Cost-model profile: "cpu-local" (``overlapc calibrate``), "cpu-default", "h100-nvlink", "h200-nvlink",
     "ib-400g", or the path of a profile JSON file; None: the profile of the machine this runs on."""
-    measure: bool = True
-    """Where ``hardware`` is None: time the graph's collectives on the live process group when it is
+    measure: bool = field(default_factory=lambda: os.environ.get("OVERLAPC_MEASURE", "1") != "0")
+    """On unless the environment sets OVERLAPC_MEASURE=0 (plans that do not depend on timings, e.g. for a
+    test suite). Where ``hardware`` is None: time the graph's collectives on the live process group when it is
     compiled (every rank together, cached), so the planner prices the user's own network rather than a
     profile's (overlapc/runtime/live.py). Links are timed alone; where moving bytes takes the cores the
     GEMMs need, the plan that follows can lose, and option ``adapt`` then keeps the captured graph."""

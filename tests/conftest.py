@@ -14,6 +14,9 @@ torch.set_num_threads(1)
 # (~/.cache/overlapc) decide a test's plans. Set before overlapc is imported and before any
 # world is spawned (workers inherit it).
 os.environ["OVERLAPC_CACHE"] = __import__("tempfile").mkdtemp(prefix="overlapc-test-cache-")
+# Plans from the profile, not from timings of this machine's loopback at that moment (which flip
+# close decisions, e.g. micro-batch slices, between runs). tests/test_live.py measures on purpose.
+os.environ["OVERLAPC_MEASURE"] = "0"
 
 
 @pytest.fixture(scope="session")

@@ -76,7 +76,7 @@ def export_job(name: str, out_dir: str, options: dict) -> dict:
 @pytest.mark.parametrize("world_name", ["world2", "world4"])
 def test_export_rewrite_save_load_run(world_name, request, tmp_path):
     world = request.getfixturevalue(world_name)
-    opts = {"strategy": "decompose", "chunks": 2}
+    opts = {"strategy": "decompose", "chunks": 2, "microbatches": 1}  # row chunks, not slices
     for r in world.run(export_job, "sp_mlp", str(tmp_path), opts):
         assert r["before"] == 2 and r["after"] == 4, r  # each collective in 2 chunks, saved as such
         assert r["rows"] == [("all_gather_matmul", "rewritten", 2), ("matmul_reduce_scatter", "rewritten", 2)]

@@ -88,7 +88,7 @@ def live_job(case: dict, cache_dir: str) -> dict:
         for step, dtype in (("first", torch.float32), ("again", torch.float32), ("bf16", torch.bfloat16)):
             torch._dynamo.reset()
             before = len(calls)
-            be = overlapc.backend(inner="eager", microbatches=1)  # the default: measure=True
+            be = overlapc.backend(inner="eager", microbatches=1, measure=True)
             x, w = torch.randn(256, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
             torch.compile(fn, backend=be)(x, w)
             got = [s for s in _sites(be).values() if s.pattern == "all_gather_matmul"]
@@ -214,3 +214,12 @@ def test_needs_cover_whole_and_chunks(fake_mesh8):
     assert ag == [64 * 32 // d for d in (8, 4, 2, 1)], ag
     assert rs == [512 * 32 // d for d in (8, 4, 2, 1)] and all(n % 8 == 0 for n in rs), rs
     assert {n.dtype for n in needs} == {"float32"}
+
+
+def test_measure_is_on_by_default(monkeypatch):
+    from overlapc import Options
+
+    monkeypatch.delenv("OVERLAPC_MEASURE", raising=False)
+    assert Options().measure is True
+    monkeypatch.setenv("OVERLAPC_MEASURE", "0")  # what this suite runs with
+    assert Options().measure is False and Options(measure=True).measure is True
