@@ -203,9 +203,8 @@ def _saved_program(args):
         ep = torch.export.load(args.target)
     except Exception as e:  # noqa: BLE001 - whatever torch.export.load raises, one line
         raise UsageError(f"cannot load {args.target!r} as a torch.export program: {type(e).__name__}: {e}") from None
-    sizes = {n.args[1] for n in ep.graph.nodes if n.target is ops.ALL_GATHER} | {
-        n.args[2] for n in ep.graph.nodes if n.target is ops.REDUCE_SCATTER
-    }
+    # all-gathers and reduce-scatters carry their group's size; other collectives resolve it
+    sizes = {ops.world_size(n) for n in ep.graph.nodes if n.target in (ops.ALL_GATHER, ops.REDUCE_SCATTER)} - {None}
     has_comm = any(ops.is_collective(n) for n in ep.graph.nodes)
     if args.world_size is None and has_comm and not sizes:
         raise UsageError(

@@ -204,14 +204,14 @@ def _compile_eager(gm, example_inputs, opts, be):
         def compile_fn(g, _inputs):
             from overlapc.passes.build import copy_graph_module
 
-            from .runtime.adapt import Adaptive, wants_adapt
+            from .runtime.adapt import Adaptive, may_adapt, race_ranks
             from .runtime.waits import name_waits
 
-            base = copy_graph_module(g) if _may_adapt(opts) else None
+            base = copy_graph_module(g) if may_adapt(opts) else None
             sites = _run_passes(g, kind, opts, be)
             # A failing chunked collective names its site and chunk.
             planned = make_boxed_func(name_waits(g).forward)
-            ranks = base is not None and wants_adapt(opts, bool(g.meta.get("overlapc_changed")), sites)
+            ranks = base is not None and race_ranks(bool(g.meta.get("overlapc_changed")), sites)
             if ranks:
                 return Adaptive(
                     planned, make_boxed_func(base.forward), kind=kind, rows=sites, ranks=ranks, steps=opts.adapt
@@ -223,13 +223,6 @@ def _compile_eager(gm, example_inputs, opts, be):
     return aot_autograd(
         fw_compiler=compiler("forward"), bw_compiler=compiler("backward"), inference_compiler=compiler("inference")
     )(gm, example_inputs)
-
-
-def _may_adapt(opts: Options) -> bool:
-    """Whether graphs may get a baseline to race against (overlapc/runtime/adapt.py)."""
-    import torch.distributed as dist
-
-    return bool(opts.adapt) and opts.strategy == "auto" and dist.is_available() and dist.is_initialized()
 
 
 def _overlap_pass_class():
@@ -271,20 +264,20 @@ def _compile_inductor(gm, example_inputs, opts, be):
 
     from overlapc.passes.build import copy_graph_module
 
+    from .runtime.adapt import Adaptive, may_adapt, race_ranks
+
     def inner_compile(g, inputs, **kw):
         pass_.kind = "backward" if kw.get("is_backward") else "inference" if kw.get("is_inference") else "forward"
         # The pass may switch scheduler settings for this graph (see _keep_order_in_inductor);
         # restore them for the next one.
         pass_.rewritten, pass_.sites, pass_.changed = [], [], False
-        base = copy_graph_module(g) if _may_adapt(opts) else None  # before the passes change g
+        base = copy_graph_module(g) if may_adapt(opts) else None  # before the passes change g
         with inductor_config.patch(
             {k: getattr(inductor_config, k) for k in _ORDER_SETTINGS if hasattr(inductor_config, k)}
         ):
             out = compile_fx_inner(g, inputs, **kw)
         _name_failures(out, pass_.kind, pass_.rewritten)
-        from .runtime.adapt import Adaptive, wants_adapt
-
-        ranks = base is not None and wants_adapt(opts, pass_.changed, pass_.sites)
+        ranks = base is not None and race_ranks(pass_.changed, pass_.sites)
         if ranks and callable(getattr(out, "current_callable", None)):
             # The graph as captured, compiled without overlapc's pass: the program to beat.
             # The tracing context holds the output strides of one compile (the planned one's,

@@ -133,13 +133,8 @@ def check_groups(gm: GraphModule) -> None:
         if not ops.is_collective(node):
             continue
         name = ops.group_name(node)
-        size = (
-            node.args[1]
-            if node.target in (ops.ALL_GATHER,)
-            else node.args[2]
-            if node.target is ops.REDUCE_SCATTER
-            else None
-        )
+        # the size the program was exported for, where the op records it (its own argument)
+        size = ops.world_size(node) if node.target in (ops.ALL_GATHER, ops.REDUCE_SCATTER) else None
         if not dist.is_initialized():
             raise OverlapError(
                 f"the program's {ops.collective_name(node)} ({node.name}) runs on process group "

@@ -22,7 +22,6 @@ rounding (fp32: ~1e-7 relative; bf16: a few units in the last place).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from torch.fx import Graph, Node
@@ -189,11 +188,7 @@ def _rewrite(group: _Group) -> Node:
 
 
 def _module(leaves: list[_Leaf]) -> str | None:
-    paths = [p for p in (ops.module_path(lf.coll.args[0]) or ops.module_path(lf.coll) for lf in leaves) if p]
-    if not paths:
-        return None
-    common = os.path.commonprefix([p.split(".") for p in paths])
-    return ".".join(common) or paths[0]
+    return ops.common_module(ops.module_path(lf.coll.args[0]) or ops.module_path(lf.coll) for lf in leaves)
 
 
 def coalesce_all_reduces(graph: Graph, graph_kind: str, options: Options) -> list[Site]:

@@ -315,6 +315,17 @@ def module_path(node: Node) -> str | None:
     return path.strip(".") or None
 
 
+def common_module(paths) -> str | None:
+    """The deepest module path that every one of ``paths`` lies under (the first path where they
+    share none); None without paths."""
+    import os
+
+    paths = [p for p in paths if p]
+    if not paths:
+        return None
+    return ".".join(os.path.commonprefix([p.split(".") for p in paths])) or paths[0]
+
+
 def in_graph_order(nodes) -> list[Node]:
     """Nodes sorted by their position in their graph (duplicates dropped)."""
     nodes = list(dict.fromkeys(nodes))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -57,13 +56,7 @@ class MatchedSite:
         return None if n is None else n * v.element_size()
 
     def module(self) -> str | None:
-        paths = [p for p in (ops.module_path(m) for m in self.matmuls) if p]
-        if not paths:
-            return ops.module_path(self.coll)
-        if len(set(paths)) == 1:
-            return paths[0]
-        common = os.path.commonprefix([p.split(".") for p in paths])
-        return ".".join(common) or paths[0]
+        return ops.common_module(ops.module_path(m) for m in self.matmuls) or ops.module_path(self.coll)
 
     def shapes(self) -> dict:
         mms = []

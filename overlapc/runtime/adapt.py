@@ -112,9 +112,15 @@ def ranks_of(rows) -> list[int] | None:
     return sorted(ranks) or None
 
 
-def wants_adapt(opts, changed: bool, rows) -> list[int] | None:
-    """The ranks to agree among where this graph is adapted: a graph the planner changed
-    (strategy "auto"), in a distributed run; else None."""
-    if not opts.adapt or opts.strategy != "auto" or not changed:
-        return None
-    return ranks_of(rows)
+def may_adapt(opts) -> bool:
+    """Whether graphs may get a baseline to race against: option adapt under strategy "auto"
+    (the planner's choice, not the user's), in a distributed run."""
+    import torch.distributed as dist
+
+    return bool(opts.adapt) and opts.strategy == "auto" and dist.is_available() and dist.is_initialized()
+
+
+def race_ranks(changed: bool, rows) -> list[int] | None:
+    """For a graph ``may_adapt`` allowed: the ranks that race it, where the planner changed it;
+    else None."""
+    return ranks_of(rows) if changed else None
