@@ -1,13 +1,15 @@
 """Stress gloo with functional collectives of two kinds in flight at once, over a shaped link.
 
-    sudo python -m benchmarks.gloo_stress ag_rs --seconds 120 [--rate 532]
+    sudo python -m benchmarks.gloo_stress ag_rs --seconds 120 [--rate 532] [--lanes 2]
 
 Each round issues what the row-chunked TP+SP forward issues around one MLP: an all-gather,
 four reduce-scatters with a GEMM after each, another all-gather while the reduce-scatters
 are in flight; then waits on all and checks every value. ``ag_ag`` has two all-gathers in
 flight, ``rs_rs`` four reduce-scatters. Prints rounds and wrong results per rank, or the
-failure. Why: passes/schedule.py (what overlapc serializes on gloo). Not a test: the
-failures it finds are rare (minutes), and it needs root for the cluster.
+failure. With ``--lanes N`` the all-gathers go, in turn, to N lanes (overlapc/runtime/lanes.py)
+while the reduce-scatters stay on the group: the pattern overlapc's schedule issues on gloo.
+Why: passes/schedule.py (what overlapc serializes on gloo). Not a test: the failures it
+finds are rare (minutes), and it needs root for the cluster.
 """
 
 from __future__ import annotations
@@ -21,10 +23,21 @@ import torch.distributed as dist
 ROWS, DIM = 256, 1024  # 1 MiB fp32 per rank and message: a chunk of the make-bench model
 
 
-def stress_job(kind: str, seconds: float) -> tuple[int, int]:
+def stress_job(kind: str, seconds: float, lanes: int = 0) -> tuple[int, int]:
     import torch.distributed._functional_collectives as fc
 
+    from overlapc.runtime import lanes as lanes_mod
+
     g, r, w = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    names = [lanes_mod.lane_name(g.group_name, i) for i in range(lanes)]
+    lanes_mod.ensure(names, 300.0)
+    gathers = 0
+
+    def gather_group():
+        nonlocal gathers
+        gathers += 1
+        return names[gathers % lanes] if lanes else g
+
     weight = torch.randn(DIM, DIM)
     t0, rounds, wrong = time.time(), 0, 0
     while time.time() - t0 < seconds:
@@ -35,15 +48,15 @@ def stress_job(kind: str, seconds: float) -> tuple[int, int]:
         ys = [torch.full((ROWS * w, DIM), float(r + 1 + k)) for k in range(4)]
         ags, rss = [], []
         if kind in ("ag_rs", "ag_ag"):
-            ags.append(fc.all_gather_single(xs[0], 0, g))
+            ags.append(fc.all_gather_single(xs[0], 0, gather_group()))
         if kind == "ag_ag":
-            ags.append(fc.all_gather_single(xs[1], 0, g))
+            ags.append(fc.all_gather_single(xs[1], 0, gather_group()))
         if kind in ("ag_rs", "rs_rs"):
             for y in ys:
                 rss.append(fc.reduce_scatter_single(y, "sum", 0, g))
                 torch.relu(xs[0] @ weight)
         if kind == "ag_rs":
-            ags.append(fc.all_gather_single(xs[1], 0, g))
+            ags.append(fc.all_gather_single(xs[1], 0, gather_group()))
         del base
         for k, out in enumerate(ags):
             want = torch.cat([torch.full((ROWS, DIM), q * 100 + v + k) for q in range(w)])
@@ -63,16 +76,17 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=120.0)
     ap.add_argument("--rate", type=float, default=532.0, help="link rate, Mbit/s")
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--lanes", type=int, default=0, help="all-gathers on this many lanes (0: on the group)")
     args = ap.parse_args()
     with EmulatedCluster(args.world, args.rate) as cluster:
         world = cluster.world(timeout=args.seconds + 300)
         try:
             t = time.time()
-            res = world.run(stress_job, args.kind, args.seconds)
-            print(f"{args.kind}: (rounds, wrong) per rank {res} in {time.time() - t:.0f} s")
+            res = world.run(stress_job, args.kind, args.seconds, args.lanes)
+            print(f"{args.kind}, lanes {args.lanes}: (rounds, wrong) per rank {res} in {time.time() - t:.0f} s")
             return int(any(bad for _, bad in res))
         except Exception as e:  # the finding: a hang (gloo's timeout) or a dead rank
-            print(f"{args.kind}: FAILED: {str(e)[-2000:]}")
+            print(f"{args.kind}, lanes {args.lanes}: FAILED: {str(e)[-2000:]}")
             return 1
         finally:
             world.close()

@@ -156,6 +156,10 @@ def _run_passes(gm, kind: str, opts: Options, be: Backend):
         from .agree import check_plans_agree
 
         check_plans_agree(kind, sites)
+    from .runtime import lanes
+
+    # After the plans agreed: every rank of a group then makes its lanes at the same point.
+    lanes.ensure(lanes.lanes_in(gm.graph), opts.timeout)
     with _GLOBAL_LOCK:
         be.report.extend(sites)
         if be.graphs is not None:

@@ -46,6 +46,12 @@ def rewrite(ep, *, options: dict | Options | None = None):
     # while the program is rewritten (measure=True in ``options`` still asks for them).
     given = dataclasses.asdict(options) if isinstance(options, Options) else dict(options or {})
     given.setdefault("measure", False)
+    if given.get("lanes"):
+        raise OverlapError(
+            "option 'lanes' is not available to overlapc.rewrite: lanes are process groups this "
+            "process makes, and a saved program names its groups; leave lanes unset (0 here)"
+        )
+    given["lanes"] = 0
     if _is_joint(ep):
         # Micro-batch slices of a joint forward + backward program give the scheduler a cycle
         # (passes/schedule.py refuses it): not chosen unless asked for.

@@ -58,6 +58,11 @@ class Options:
     captured alternately for this many timed calls each (after one warm-up call each), then keep the one
     the slowest rank ran faster, on every rank (overlapc/runtime/adapt.py). Compiles such graphs twice.
     0: off."""
+    lanes: int = 2
+    """Extra gloo process groups per gloo group that carry its all-gathers, so that chunked all-gathers and
+    reduce-scatters are on the wire together (gloo fails with them in flight on one group); made when a graph
+    that uses them is compiled (overlapc/runtime/lanes.py). 0: keep every collective on its group, kept apart.
+    Other backends ignore it."""
     timeout: float = 300.0
     """Seconds a fused op may wait for its peers before it raises an error naming the op (strategy "fuse")."""
     mode: str | None = None
@@ -82,6 +87,8 @@ class Options:
             raise OverlapError(
                 f"option 'adapt' must be an int >= 0 (timed calls per program; 0: off); got {self.adapt!r}"
             )
+        if isinstance(self.lanes, bool) or not isinstance(self.lanes, int) or self.lanes < 0:
+            raise OverlapError(f"option 'lanes' must be an int >= 0 (0: no lanes); got {self.lanes!r}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
             raise OverlapError(f"option 'timeout' must be a number of seconds > 0; got {self.timeout!r}")
         if self.hardware is not None and not isinstance(self.hardware, str):

@@ -56,7 +56,7 @@ def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None) -
         legalize(gm.graph)
     if (rewritten or sliced) and options.addmm_partials:
         fold_partial_sums(gm.graph)
-    reordered = options.schedule and schedule(gm.graph)
+    reordered = options.schedule and schedule(gm.graph, options.lanes)
     # Tells the inductor inner compiler to keep this order through its own scheduler.
     gm.meta["overlapc_changed"] = bool(rewritten or reordered or sliced)
     rows = [s.to_report() for s in sites] + [c.to_report() for c in loose]

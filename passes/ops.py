@@ -252,6 +252,14 @@ def world_size(coll: Node) -> int | None:
         return None
 
 
+def set_group_name(coll: Node, name: str) -> None:
+    """Point a functional collective at the process group called ``name``."""
+    pos = {ALL_GATHER: 2, REDUCE_SCATTER: 3, ALL_REDUCE: 2, ALL_TO_ALL: 3}[coll.target]
+    args = list(coll.args)
+    args[pos] = name
+    coll.args = tuple(args)
+
+
 def group_backend(name: str | None) -> str | None:
     """Name of the backend ("gloo", "nccl", "fake", ...) of the process group called ``name``."""
     if name is None:

@@ -27,6 +27,8 @@ import operator
 import networkx as nx
 from torch.fx import Graph, Node
 
+from overlapc.runtime import lanes as lanes_mod
+
 from . import ops
 
 CHEAP = ops.LAYOUT_OPS | {
@@ -223,7 +225,7 @@ def add_issue_after(node: Node, *before: Node) -> None:
     node.meta[ISSUE_AFTER] = names + tuple(b.name for b in before if b.name not in names and b is not node)
 
 
-def serialize_collectives(nodes: list[Node]) -> dict[Node, list[Node]]:
+def serialize_collectives(nodes: list[Node], lanes: int = 0) -> dict[Node, list[Node]]:
     """{collective: the waits it must be issued after}, for groups on gloo.
 
     An all-gather waits for the previous all-gather of its group. Where the group has more
@@ -234,19 +236,34 @@ def serialize_collectives(nodes: list[Node]) -> dict[Node, list[Node]]:
     node.meta[ISSUE_AFTER], for schedulers that see the graph through another representation
     (the inductor hook in overlapc.compiler). They cannot create a cycle: each points at the
     wait of a collective earlier in a topological order, which cannot depend on this one.
+
+    With ``lanes`` > 0, a gloo group's all-gathers move to that many lanes
+    (overlapc/runtime/lanes.py), taken in turn: separate communicators over the same ranks, so
+    they are no longer kept apart from the group's reduce-scatters, and up to ``lanes``
+    all-gathers are in flight at once (one per lane). Only groups with an all-gather and some
+    other collective in ``nodes`` get lanes: a lone all-gather has nothing to overlap with.
     """
     after: dict[Node, list[Node]] = {}
     serial: dict[str, tuple[bool, bool]] = {}
     last_wait: dict[tuple, Node] = {}
     runs: dict[str, list] = {}  # group -> [family, waits of the current run, waits of the run before]
+    laned = _laned_groups(nodes) if lanes > 0 else set()
+    gathers: dict[str, int] = {}
     for n in nodes:
         if n.target not in GLOO_FAMILY:
             continue
         g = ops.group_name(n)
-        if g not in serial:
-            gloo = ops.group_backend(g) in SERIAL_BACKENDS
-            serial[g] = (gloo, gloo and ops.group_comm_threads(g) > 1)
-        one_gather, families_apart = serial[g]
+        base = lanes_mod.base_group(g)
+        if base not in serial:
+            gloo = ops.group_backend(base) in SERIAL_BACKENDS
+            serial[base] = (gloo, gloo and ops.group_comm_threads(base) > 1)
+        one_gather, families_apart = serial[base]
+        if n.target is ops.ALL_GATHER and (lanes_mod.is_lane(g) or (one_gather and g in laned)):
+            if not lanes_mod.is_lane(g):
+                k = gathers[g] = gathers.get(g, -1) + 1
+                g = lanes_mod.lane_name(g, k % lanes)
+                ops.set_group_name(n, g)
+            families_apart = False  # a lane carries all-gathers only
         before = []
         if one_gather and n.target in SERIAL_OPS and (g, n.target) in last_wait:
             before.append(last_wait[(g, n.target)])
@@ -267,8 +284,19 @@ def serialize_collectives(nodes: list[Node]) -> dict[Node, list[Node]]:
     return after
 
 
-def schedule(graph: Graph) -> bool:
-    """Reorder ``graph`` in place. Returns whether the order changed."""
+def _laned_groups(nodes: list[Node]) -> set[str]:
+    """Groups (not yet on lanes) whose all-gathers have something to overlap with."""
+    count: dict[str, list[int]] = {}
+    for n in nodes:
+        if n.target in GLOO_FAMILY and not lanes_mod.is_lane(g := ops.group_name(n)):
+            c = count.setdefault(g, [0, 0])
+            c[n.target is ops.ALL_GATHER] += 1
+    return {g for g, (others, gathers) in count.items() if gathers and gathers + others > 1}
+
+
+def schedule(graph: Graph, lanes: int = 0) -> bool:
+    """Reorder ``graph`` in place (``lanes``: see :func:`serialize_collectives`). Returns
+    whether the order or a collective's group changed."""
     nodes = list(graph.nodes)
     colls = [n for n in nodes if ops.is_collective(n)]
     if not colls:
@@ -277,11 +305,13 @@ def schedule(graph: Graph) -> bool:
     early = _feeders(dag, colls)
     late = _waiters(dag, [n for n in nodes if n.target is ops.WAIT])
     preds = {n: list(dag.predecessors(n)) for n in nodes}
-    serialize_collectives(nodes)
+    groups = [ops.group_name(n) for n in colls]
+    serialize_collectives(nodes, lanes)
+    moved = groups != [ops.group_name(n) for n in colls]
     by_name = {n.name: n for n in nodes}
     for n in nodes:  # scheduling edges: serialized collectives, deferred sums (passes/all_to_all)
         preds[n].extend(by_name[a] for a in issue_after(n) if a in by_name and by_name[a] is not n)
-    return _apply_order(graph, nodes, list_schedule(nodes, preds, early, late, collectives=set(colls)))
+    return _apply_order(graph, nodes, list_schedule(nodes, preds, early, late, collectives=set(colls))) or moved
 
 
 def legalize(graph: Graph) -> bool:

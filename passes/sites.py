@@ -9,6 +9,7 @@ import torch
 from torch.fx import Node
 
 from overlapc.report import Site
+from overlapc.runtime import lanes
 
 from . import ops
 from .normalize import Producer, Use
@@ -140,7 +141,7 @@ class Loose:
             graph=self.graph_kind,
             status="skipped",
             reason=self.reason,
-            group=ops.group_name(self.coll),
+            group=lanes.base_group(ops.group_name(self.coll) or "") or None,  # the user's group, not a lane
             world_size=ops.world_size(self.coll),
             collective=self.coll.name,
             collective_op=ops.collective_name(self.coll),

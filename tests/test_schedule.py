@@ -18,6 +18,7 @@ import overlapc
 from overlapc.explain import capture
 from overlapc.passes import ops
 from overlapc.passes.schedule import ISSUE_AFTER, issue_after, list_schedule, serialize_collectives
+from overlapc.runtime import lanes
 
 CHUNKS = 3
 
@@ -153,7 +154,7 @@ def test_gloo_all_gathers_are_chained(fake_mesh8, monkeypatch):
     after every all-gather of the run before them was waited on."""
     monkeypatch.setattr(ops, "group_backend", lambda name: "gloo")
     monkeypatch.setattr(ops, "group_comm_threads", lambda name: 2)
-    report, graphs = capture(ag_mm_rs, *_inputs(), options={"strategy": "decompose", "chunks": CHUNKS})
+    report, graphs = capture(ag_mm_rs, *_inputs(), options={"strategy": "decompose", "chunks": CHUNKS, "lanes": 0})
     ((_, gm),) = graphs
     seq = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(seq)}
@@ -221,3 +222,22 @@ def test_scheduling_edges_may_point_forward():
     preds = {"wgrad": ["coll"], "coll": ["dgrad"], "wait": ["coll"]}
     order = list_schedule(items, preds, early={"coll"}, late={"wait"}, collectives={"coll"})
     assert order.index("dgrad") < order.index("coll") < order.index("wgrad") < order.index("wait"), order
+
+
+def test_gloo_all_gathers_take_lanes(fake_mesh8, monkeypatch):
+    """With lanes, a gloo group's all-gathers move to the lanes in turn: one in flight per lane,
+    and none kept apart from the group's reduce-scatters, which stay on the group."""
+    monkeypatch.setattr(ops, "group_backend", lambda name: "gloo")
+    monkeypatch.setattr(ops, "group_comm_threads", lambda name: 2)
+    report, graphs = capture(ag_mm_rs, *_inputs(), options={"strategy": "decompose", "chunks": CHUNKS, "lanes": 2})
+    ((_, gm),) = graphs
+    seq = list(gm.graph.nodes)
+    ags = [n for n in seq if n.target is ops.ALL_GATHER]
+    rss = [n for n in seq if n.target is ops.REDUCE_SCATTER]
+    group = ops.group_name(rss[0])
+    assert len(ags) == CHUNKS and not lanes.is_lane(group)
+    assert [ops.group_name(n) for n in ags] == [lanes.lane_name(group, c % 2) for c in range(CHUNKS)]
+    for c, n in enumerate(ags):  # chained to the previous all-gather of its own lane only
+        assert issue_after(n) == ((ops.wait_of(ags[c - 2]).name,) if c >= 2 else ())
+    assert all(issue_after(rs) == () for rs in rss)
+    assert lanes.lanes_in(gm.graph) == [lanes.lane_name(group, 0), lanes.lane_name(group, 1)]
