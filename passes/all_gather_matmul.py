@@ -33,7 +33,7 @@ from .normalize import (
     remove_dead_nodes,
     split_cat_gather,
 )
-from .rows import ROW_CHUNKS, RowChunks, row_layout, static_shape
+from .rows import ROW_CHUNKS, RowChunks, local_row_chunks, row_layout, static_shape
 from .sites import ConsumerSite, Loose
 
 
@@ -218,10 +218,15 @@ def rewrite_all_gather_matmul(site: AllGatherMatmulSite, chunks: int) -> None:
     sizes = chunk_sizes(rows, chunks)
     layout = row_layout(world, d, static_shape(site.gathered), sizes)
     with graph.inserting_before(first):
-        flat = b.reshape(x, [rows, k])
+        # Ranges of a shard made by row-wise ops from an earlier reduce-scatter's chunks
+        # (RS -> residual add -> norm -> AG) are computed from those chunks: range c is
+        # gathered once chunk c has arrived, not after the whole reduce-scatter.
+        chained, sources = local_row_chunks(b, x, sizes) or (None, [])
+        flat = b.reshape(x, [rows, k]) if chained is None else None
         off = 0
-        for n in sizes:
-            ag = b.call(ops.ALL_GATHER, b.slice(flat, 0, off, off + n), world, group)
+        for c, n in enumerate(sizes):
+            src = chained[c] if chained is not None else b.slice(flat, 0, off, off + n)
+            ag = b.call(ops.ALL_GATHER, src, world, group)
             pieces.append((b.call(ops.WAIT, ag), n))
             off += n
         operands: dict[tuple, list[Node]] = {}
@@ -247,6 +252,8 @@ def rewrite_all_gather_matmul(site: AllGatherMatmulSite, chunks: int) -> None:
             whole.meta[ROW_CHUNKS] = RowChunks(layout, ys)
             mm.replace_all_uses_with(whole)
         last = b.created[-1]
+    if sources:
+        site.details["rows_from"] = sources
     for u in uses:  # not inside inserting_before(first): first is one of them
         graph.erase_node(u.matmul)
     remove_dead_nodes(graph)

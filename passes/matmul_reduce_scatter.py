@@ -22,7 +22,7 @@ from . import ops
 from .build import Builder, chunk_sizes, movedim_perm
 from .deps import DepGraph
 from .normalize import Dims, NoProducer, Producer, erase_collective, matmul_producer, split_cat_scatter
-from .rows import can_chunk_rows, chained_rows, chunk_rows, row_layout, static_shape
+from .rows import LOCAL_ROWS, LocalRows, can_chunk_rows, chained_rows, chunk_rows, row_layout, static_shape
 from .sites import Loose, ProducerSite
 
 
@@ -185,5 +185,8 @@ def rewrite_matmul_reduce_scatter(site: MatmulReduceScatterSite, chunks: int) ->
             waits.append(b.call(ops.WAIT, rs))
             off += n
         out = b.view(b.cat(waits, 0), out_shape)
+    # A later all-gather whose shard is computed from these rows by row-wise ops (residual
+    # add, norm) reads them chunk by chunk (rows.local_row_chunks).
+    out.meta[LOCAL_ROWS] = LocalRows(sizes, waits, site.name)
     site.wait.replace_all_uses_with(out)
     erase_collective(site.coll, site.wait)

@@ -14,6 +14,7 @@ same order per row::
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 
 from torch.fx import Node
@@ -161,6 +162,197 @@ def chained_rows(b: Builder, root: Node, layout: tuple, c: int, plain: Callable[
         return out
 
     return ev(root) if reaches(root) else None
+
+
+LOCAL_ROWS = "overlapc_local_rows"
+"""node.meta key set by the reduce-scatter rewrite on its result: a LocalRows saying which
+new nodes hold that result's rows, chunk by chunk."""
+
+
+class LocalRows:
+    """A rank-local tensor, read as (R, N) rows, whose row ranges [o_c, o_c + sizes[c]) already
+    exist as separate (sizes[c], N) nodes ``pieces[c]`` (a reduce-scatter's chunks, each its
+    own wait). An all-gather whose shard is computed from it by row-wise ops, chunked with
+    the same sizes, gathers chunk c as soon as chunk c arrived: RS -> residual add -> norm ->
+    AG without waiting for the whole tensor."""
+
+    def __init__(self, sizes, pieces: list[Node], site: str):
+        self.sizes, self.pieces, self.site = tuple(sizes), list(pieces), site
+
+
+_PASS_THROUGH = {ops.aten.detach.default, ops.aten.alias.default}
+_ROW_REDUCTIONS = {ops.aten.mean.dim, ops.aten.sum.dim_IntList, ops.aten.amax.default}
+_LN_BACKWARD = ops.aten.native_layer_norm_backward.default
+_ROW_TUPLES = {ops.aten.native_layer_norm.default, _LN_BACKWARD, ops.aten.var_mean.correction}
+"""Ops returning a tuple with row-wise results: LayerNorm over the last dim (output, mean, rstd),
+its backward's input gradient (the weight and bias gradients sum over rows: not row-wise), and
+var_mean over the last dim keeping it (inductor's decomposition of LayerNorm)."""
+
+
+def _row_tuple_ok(n: Node, index) -> bool:
+    shape = static_shape(n.args[0])
+    if not shape:
+        return False
+    if n.target is ops.aten.native_layer_norm.default:
+        return list(n.args[1]) == shape[-1:]
+    if n.target is _LN_BACKWARD:
+        return index == 0 and list(n.args[2]) == shape[-1:]
+    dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+    return (
+        n.kwargs.get("keepdim") is True
+        and isinstance(dims, (list, tuple))
+        and [d % len(shape) for d in dims] == [len(shape) - 1]
+    )
+
+
+def local_row_chunks(b: Builder, root: Node, sizes: list[int]) -> tuple[list[Node], list[str]] | None:
+    """``root``'s row ranges (by ``sizes``) as (n_c, N) nodes computed from LocalRows chunks of
+    the same sizes, and the names of the sites those come from; None where ``root`` is not
+    reached from any through row-wise ops.
+
+    Row-wise: views that keep the last dim; pointwise ops (casts included) whose tensor operands
+    have ``root``'s rows or none (a norm's weight, a scalar); reductions over the last dim
+    that keep it (a norm's mean or sum of squares); expands of such a (rows, 1) result along
+    the last dim. Operands that reach no chunk are sliced by rows. The nodes between stay as
+    they were for their other users (the residual stream, saved activations): chunk c
+    recomputes its rows of the row-wise ops, which are cheap beside the GEMMs it unblocks."""
+    shape = static_shape(root)
+    if not shape:
+        return None
+    rows = _rows_of(shape)
+    reach: dict[Node, bool] = {}
+    sources: dict[Node, str] = {}
+    skip: set[Node] = set()
+
+    def rowed(n) -> list[int] | None:
+        s = static_shape(n) if isinstance(n, Node) else None
+        return s if s and len(s) >= 2 and _rows_of(s) == rows else None
+
+    def rowless(n) -> bool:
+        """No row dims: broadcasts against any row range unchanged."""
+        s = static_shape(n)
+        return s is not None and all(d == 1 for d in s[:-1])
+
+    def reaches(n) -> bool:
+        if not isinstance(n, Node) or n.op != "call_function":
+            return False
+        if n not in reach:
+            reach[n] = False
+            info = n.meta.get(LOCAL_ROWS)
+            s = rowed(n)
+            if s is None:
+                return False
+            if info is not None:
+                reach[n] = info.sizes == tuple(sizes) and n not in skip
+                if reach[n]:
+                    sources[n] = info.site
+            elif n.target in ops.RESHAPES or n.target in _PASS_THROUGH:
+                src = rowed(n.args[0])
+                reach[n] = src is not None and src[-1] == s[-1] and reaches(n.args[0])
+            elif n.target in _ROW_REDUCTIONS:
+                dims, keep = (n.args[1:3] + (False,))[:2] if len(n.args) > 1 else (None, False)
+                last = len(s) - 1
+                reach[n] = (
+                    keep is True
+                    and isinstance(dims, (list, tuple))
+                    and [d % len(s) for d in dims] == [last]
+                    and not n.kwargs
+                    and reaches(n.args[0])
+                )
+            elif n.target is ops.aten.expand.default:
+                src = rowed(n.args[0])
+                reach[n] = src is not None and len(src) == len(s) and src[-1] == 1 and reaches(n.args[0])
+            elif n.target is operator.getitem and isinstance(n.args[0], Node) and n.args[0].target in _ROW_TUPLES:
+                t = n.args[0]
+                tensors = [a for a in (*t.args, *t.kwargs.values()) if isinstance(a, Node)]
+                reach[n] = (
+                    _row_tuple_ok(t, n.args[1])
+                    and all((rowed(a) is not None and len(rowed(a)) == len(s)) or rowless(a) for a in tensors)
+                    and any([reaches(a) for a in tensors])
+                )
+            elif ops.is_pointwise(n):
+                tensors = [a for a in (*n.args, *n.kwargs.values()) if isinstance(a, Node)]
+                ok = all((rowed(a) is not None and len(rowed(a)) == len(s)) or rowless(a) for a in tensors)
+                reach[n] = ok and any([reaches(a) for a in tensors])  # visit all: every source counts
+        return reach[n]
+
+    if not reaches(root):
+        return None
+    # A source all of whose chunks another source's first chunk already waits for (the
+    # residual stream of earlier layers, behind attention) is read whole and sliced:
+    # recomputing it chunk by chunk would only repeat adds.
+    first = {src: _ancestors(src.meta[LOCAL_ROWS].pieces[:1]) for src in sources}
+    skip = {a for a in sources if any(set(a.meta[LOCAL_ROWS].pieces) <= first[o] for o in sources if o is not a)}
+    if skip:
+        reach.clear()
+        sources.clear()
+        if not reaches(root):
+            return None
+    flat: dict[Node, Node] = {}
+
+    def sliced(a: Node, off: int, n: int) -> Node:
+        if a not in flat:
+            flat[a] = b.reshape(a, [rows, static_shape(a)[-1]])
+        return b.slice(flat[a], 0, off, off + n)
+
+    def operand(a, c, off, n, memo):
+        if not isinstance(a, Node):
+            return a
+        if reaches(a):
+            return ev(a, c, off, n, memo)
+        if rowed(a) is not None:
+            return sliced(a, off, n)
+        s = static_shape(a)
+        return b.reshape(a, [s[-1]]) if s and len(s) > 1 else a  # rowless: broadcast as a row vector
+
+    def ev(x: Node, c: int, off: int, n: int, memo: dict) -> Node:
+        if x in memo:
+            return memo[x]
+        info = x.meta.get(LOCAL_ROWS)
+        if info is not None:
+            out = info.pieces[c]
+        elif x.target in ops.RESHAPES or x.target in _PASS_THROUGH:
+            out = ev(x.args[0], c, off, n, memo)
+        elif x.target in _ROW_REDUCTIONS:
+            out = b.call(x.target, ev(x.args[0], c, off, n, memo), [-1], True, *x.args[3:])
+        elif x.target is ops.aten.expand.default:
+            out = b.call(x.target, ev(x.args[0], c, off, n, memo), [n, static_shape(x)[-1]])
+        elif x.target is operator.getitem:
+            t = x.args[0]
+            if t not in memo:
+                args = [operand(a, c, off, n, memo) for a in t.args]
+                kwargs = dict(t.kwargs)
+                if t.target is ops.aten.var_mean.correction:
+                    if len(args) > 1:
+                        args[1] = [-1]
+                    else:
+                        kwargs["dim"] = [-1]
+                elif t.target is _LN_BACKWARD:
+                    args[7] = [True, False, False]  # the input gradient only
+                memo[t] = b.call(t.target, *args, **kwargs)
+            out = b.call(operator.getitem, memo[t], x.args[1])
+        else:
+            args = [operand(a, c, off, n, memo) for a in x.args]
+            kwargs = {k: operand(v, c, off, n, memo) for k, v in x.kwargs.items()}
+            out = b.call(x.target, *args, **kwargs)
+        memo[x] = out
+        return out
+
+    out, off = [], 0
+    for c, n in enumerate(sizes):
+        out.append(ev(root, c, off, n, {}))
+        off += n
+    return out, sorted(set(sources.values()))
+
+
+def _ancestors(nodes: list[Node]) -> set[Node]:
+    seen, stack = set(), list(nodes)
+    while stack:
+        for p in stack.pop().all_input_nodes:
+            if p not in seen:
+                seen.add(p)
+                stack.append(p)
+    return seen
 
 
 def _rows_of(shape: list[int]) -> int:

@@ -22,6 +22,7 @@ Tolerances (measured maxima are far below them, see test output with -s):
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -91,7 +92,30 @@ def par_ar(xs, ws, dim, group):
     return (out,)
 
 
-PROGRAMS = {"ag_mm": ag_mm, "mm_rs": mm_rs, "mm_ar": mm_ar, "col_ar": col_ar, "par_ar": par_ar}
+def _rms(h, gamma):
+    hf = h.float()  # as the reference Llama's RMSNorm: in fp32, cast back
+    return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)).type_as(h) * gamma
+
+
+def rs_norm_ag(xs, ws, dim, group, norm="rms"):
+    """A layer boundary under SP: row-parallel mm -> RS -> residual add -> RMSNorm or LayerNorm
+    -> AG -> column-parallel mm. The all-gather's chunks are computed from the reduce-scatter's
+    chunks (forward, and the mirror in backward: RS -> norm backward -> + residual grad -> AG)."""
+    w0, w1, gamma, *beta = ws  # a bias for LayerNorm only
+    h = funcol.reduce_scatter_tensor_autograd(F.linear(xs[0], w0), "sum", scatter_dim=dim, group=group) + xs[1]
+    n = _rms(h, gamma) if norm == "rms" else F.layer_norm(h, h.shape[-1:], gamma, beta[0])
+    g = funcol.all_gather_tensor_autograd(n, gather_dim=dim, group=group)
+    return F.linear(g, w1), h
+
+
+PROGRAMS = {
+    "ag_mm": ag_mm,
+    "mm_rs": mm_rs,
+    "mm_ar": mm_ar,
+    "col_ar": col_ar,
+    "par_ar": par_ar,
+    "rs_norm_ag": rs_norm_ag,
+}
 # Sites each program must show rewritten, forward and backward (see the module docstring).
 EXPECT = {
     "ag_mm": {("forward", "all_gather_matmul"), ("backward", "matmul_reduce_scatter")},
@@ -100,6 +124,12 @@ EXPECT = {
     # the coalesced all-reduce of a sum of matmuls is a matmul_all_reduce site of its own
     "col_ar": {("backward", "all_reduce_sum"), ("backward", "matmul_all_reduce")},
     "par_ar": {("forward", "all_reduce_sum"), ("forward", "matmul_all_reduce")},
+    "rs_norm_ag": {
+        ("forward", "matmul_reduce_scatter"),
+        ("forward", "all_gather_matmul"),
+        ("backward", "matmul_reduce_scatter"),
+        ("backward", "all_gather_matmul"),
+    },
 }
 
 
@@ -116,6 +146,16 @@ def make_inputs(case, world, rank):
     dtype = DTYPES[case["dtype"]]
     k, n = shape[-1], case["n"]
     g = torch.Generator().manual_seed(1000 + rank)
+    if prog == "rs_norm_ag":
+        full = list(shape)
+        full[dim] *= world
+        gw = torch.Generator().manual_seed(7)
+        ws = [torch.randn(k, k, generator=gw) / math.sqrt(k), torch.randn(n, k, generator=gw) / math.sqrt(k)]
+        ws.append(1 + 0.1 * torch.randn(k, generator=gw))
+        if case.get("norm") == "ln":
+            ws.append(0.1 * torch.randn(k, generator=gw))
+        xs = [torch.randn(full, generator=g), torch.randn(shape, generator=g)]
+        return [x.to(dtype) for x in xs], [w.to(dtype) for w in ws]
     if prog in ("ag_mm", "col_ar"):
         xs = [torch.randn(shape, generator=g)]
     else:  # the full activation: mm_rs scatters it along dim, so that dim holds world * shape[dim]
@@ -134,6 +174,8 @@ def run_case(case) -> dict:
     group = dist.group.WORLD
     world, rank = dist.get_world_size(), dist.get_rank()
     fn = PROGRAMS[case["program"]]
+    if case["program"] == "rs_norm_ag":
+        fn = functools.partial(fn, norm=case.get("norm", "rms"))
     xs, ws = make_inputs(case, world, rank)
     dtype = DTYPES[case["dtype"]]
 
@@ -156,6 +198,9 @@ def run_case(case) -> dict:
     rewritten = {(s.graph, s.pattern) for s in be.report.sites if s.status == "rewritten"}
     missing = expected(case) - rewritten
     assert not missing, f"{case}: not rewritten: {missing}\n{be.report}"
+    if case["program"] == "rs_norm_ag":  # each gather reads the reduce-scatter's chunks
+        chained = {s.graph for s in be.report.sites if s.details.get("rows_from") and s.status == "rewritten"}
+        assert chained == {"forward", "backward"}, f"{case}: chained in {chained}\n{be.report}"
     err = 0.0
     for i, (a, b) in enumerate(zip(out + grads, ref_out + ref_grads)):
         what = f"rank {rank} {case} {'output' if i < len(out) else 'grad'} {i}"
@@ -188,6 +233,10 @@ def matrix(world: int) -> list[dict]:
         # all-reduces coalesced: q/k/v-like input grads (backward), a parallel block (forward)
         cases.append(dict(program="col_ar", shape=(2, 8, 16), dim=0, n_mm=3, n=24, chunks=world, dtype=dtype))
         cases.append(dict(program="par_ar", shape=(2, 8, 16), dim=0, n_mm=2, n=24, chunks=2, dtype=dtype))
+        # a layer boundary: RS -> residual add -> norm -> AG, chunk by chunk
+        for norm in ("rms", "ln"):
+            case = dict(program="rs_norm_ag", shape=(2, 8, 16), dim=1, n_mm=1, n=24, chunks=world, dtype=dtype)
+            cases.append({**case, "norm": norm})
     # uneven chunks: 7 rows in 3 pieces, 10 rows in 4
     cases.append(dict(program="ag_mm", shape=(7, 16), dim=0, n_mm=1, n=24, chunks=3, dtype="fp32"))
     cases.append(dict(program="mm_rs", shape=(5, 2, 16), dim=0, n_mm=2, n=24, chunks=4, dtype="fp32"))
@@ -277,6 +326,7 @@ def random_case(draw):
         n=draw(st.sampled_from([8, 20])),
         chunks=draw(st.integers(2, 5)),
         dtype="fp32",
+        norm=draw(st.sampled_from(["rms", "ln"])),
     )
 
 

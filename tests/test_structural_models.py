@@ -82,6 +82,56 @@ def test_tp_sp_backward_mirrors(tp_sp_report):
     assert sorted(len(s.matmuls) for s in summed) == [2] * L + [3] * L
 
 
+def test_tp_sp_layer_is_one_chain(fake_mesh8):
+    """Rows flow chunk by chunk across sites: every all-gather chunk whose shard comes from a
+    reduce-scatter through the residual add and RMSNorm waits for that chunk of it alone. In
+    forward that is wo -> MLP and w2 -> the next layer's q/k/v; in backward its mirror (the
+    norms' input gradients plus the residual's)."""
+    from overlapc.passes import ops
+    from overlapc.passes.lower import SITE_WAIT
+
+    model, inputs = llama.build_tp_sp(fake_mesh8, n_layers=L, batch=2, seq=48)
+
+    def step(tokens):
+        loss = model(tokens).float().pow(2).mean()
+        loss.backward()
+        return loss
+
+    report, graphs = capture(step, *inputs, options={"strategy": "decompose", "chunks": 3, "microbatches": 1})
+    chained = {(s.graph, s.module): s.details.get("rows_from") for s in report.by(pattern="all_gather_matmul")}
+    for i in range(L):
+        assert chained["forward", f"layers.{i}.feed_forward"] == [
+            f"forward:layers.{i}.attention.wo:matmul_reduce_scatter"
+        ]
+    # the residual x + attn(x) + mlp(h): chunk c of both row-parallel outputs since attention
+    assert chained["forward", "layers.1.attention"] == [
+        "forward:layers.0.attention.wo:matmul_reduce_scatter",
+        "forward:layers.0.feed_forward.w2:matmul_reduce_scatter",
+    ]
+    assert chained["backward", "layers.0.attention.wo"], chained  # RS of q/k/v-side grads -> norm backward -> AG
+    rows_from = {s.name: s.details.get("rows_from") for s in report.sites}
+    checked = 0
+    for _, gm in graphs:
+        for ag in (n for n in gm.graph.nodes if n.target is ops.ALL_GATHER):
+            site = ops.wait_of(ag).meta.get(SITE_WAIT, ("",))[0]
+            if not rows_from.get(site):
+                continue
+            upstream, seen, stack = [], set(), [ag]
+            while stack:
+                for p in stack.pop().all_input_nodes:
+                    if p not in seen:
+                        seen.add(p)
+                        stack.append(p)
+                        if p.target is ops.WAIT and p.args[0].target is ops.REDUCE_SCATTER:
+                            upstream.append(p.meta.get(SITE_WAIT, (p.name,))[0])
+            for source in rows_from[site]:  # one chunk of each source, not all of them
+                assert upstream.count(source) == 1, (site, ag.name, source, upstream)
+            checked += 1
+    # every gather but layer 0's q/k/v (after the embedding) in forward, each in backward
+    assert sum(1 for v in rows_from.values() if v) == 4 * L
+    assert checked == 3 * 4 * L, checked  # 3 chunks of each
+
+
 def test_tp_counts(tp_report):
     assert counts(tp_report) == {
         # per layer: wo -> AR and w2 -> AR (RowwiseParallel, Replicate output).
