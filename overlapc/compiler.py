@@ -156,10 +156,11 @@ def _run_passes(gm, kind: str, opts: Options, be: Backend):
         from .agree import check_plans_agree
 
         check_plans_agree(kind, sites)
-    from .runtime import lanes
+        from .runtime import lanes
 
-    # After the plans agreed: every rank of a group then makes its lanes at the same point.
-    lanes.ensure(lanes.lanes_in(gm.graph), opts.timeout)
+        # After the plans agreed: every rank of a group then makes its lanes at the same point.
+        # (explain() agrees on nothing and runs nothing: its graphs need no lanes.)
+        lanes.ensure(lanes.lanes_in(gm.graph))
     with _GLOBAL_LOCK:
         be.report.extend(sites)
         if be.graphs is not None:

@@ -46,12 +46,12 @@ def rewrite(ep, *, options: dict | Options | None = None):
     # while the program is rewritten (measure=True in ``options`` still asks for them).
     given = dataclasses.asdict(options) if isinstance(options, Options) else dict(options or {})
     given.setdefault("measure", False)
-    if given.get("lanes"):
+    if not isinstance(options, Options) and given.get("lanes"):
         raise OverlapError(
             "option 'lanes' is not available to overlapc.rewrite: lanes are process groups this "
-            "process makes, and a saved program names its groups; leave lanes unset (0 here)"
+            "process makes, and a saved program names its groups"
         )
-    given["lanes"] = 0
+    given["lanes"] = 0  # the program keeps its collectives on the groups it was exported with
     if _is_joint(ep):
         # Micro-batch slices of a joint forward + backward program give the scheduler a cycle
         # (passes/schedule.py refuses it): not chosen unless asked for.

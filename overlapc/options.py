@@ -58,11 +58,12 @@ class Options:
     captured alternately for this many timed calls each (after one warm-up call each), then keep the one
     the slowest rank ran faster, on every rank (overlapc/runtime/adapt.py). Compiles such graphs twice.
     0: off."""
-    lanes: int = 2
+    lanes: int = 0
     """Extra gloo process groups per gloo group that carry its all-gathers, so that chunked all-gathers and
     reduce-scatters are on the wire together (gloo fails with them in flight on one group); made when a graph
-    that uses them is compiled (overlapc/runtime/lanes.py). 0: keep every collective on its group, kept apart.
-    Other backends ignore it."""
+    that uses them is compiled (overlapc/runtime/lanes.py). 0 (the default): every collective on its group,
+    gloo's collective kinds kept apart; on a shaped link that measured as fast or faster (BENCHMARKS.md,
+    "Wire-bound"). Other backends ignore it."""
     timeout: float = 300.0
     """Seconds a fused op may wait for its peers before it raises an error naming the op (strategy "fuse")."""
     mode: str | None = None

@@ -18,6 +18,7 @@ from . import fuse
 from . import matmul_all_reduce as mar
 from . import matmul_reduce_scatter as mrs
 from .deps import DepGraph
+from .rows import LOCAL_ROWS, ROW_CHUNKS
 from .sites import MatchedSite
 
 
@@ -61,9 +62,9 @@ def lower_sites(graph: Graph, sites: list[MatchedSite]) -> int:
         _tag_waits(graph, before, site)
         site.status = "rewritten"
         done += 1
-    for node in graph.nodes:  # sites hold nodes: keep them out of meta that others copy or pickle
-        node.meta.pop(a2a.SITE, None)
-        node.meta.pop(a2a.REACHED, None)
+    for node in graph.nodes:  # sites and chunk lists hold nodes: keep them out of meta that others copy or pickle
+        for key in (a2a.SITE, a2a.REACHED, ROW_CHUNKS, LOCAL_ROWS):
+            node.meta.pop(key, None)
     return done
 
 

@@ -278,11 +278,14 @@ def local_row_chunks(b: Builder, root: Node, sizes: list[int]) -> tuple[list[Nod
 
     if not reaches(root):
         return None
-    # A source all of whose chunks another source's first chunk already waits for (the
+    # A source all of whose chunks the nearest source's first chunk already waits for (the
     # residual stream of earlier layers, behind attention) is read whole and sliced:
-    # recomputing it chunk by chunk would only repeat adds.
-    first = {src: _ancestors(src.meta[LOCAL_ROWS].pieces[:1]) for src in sources}
-    skip = {a for a in sources if any(set(a.meta[LOCAL_ROWS].pieces) <= first[o] for o in sources if o is not a)}
+    # recomputing it chunk by chunk would only repeat adds. One walk per gather.
+    if len(sources) > 1:
+        pos = {n: i for i, n in enumerate(root.graph.nodes)}
+        nearest = max(sources, key=lambda src: pos[src])
+        first = _ancestors(nearest.meta[LOCAL_ROWS].pieces[:1])
+        skip = {a for a in sources if a is not nearest and set(a.meta[LOCAL_ROWS].pieces) <= first}
     if skip:
         reach.clear()
         sources.clear()
@@ -327,8 +330,11 @@ def local_row_chunks(b: Builder, root: Node, sizes: list[int]) -> tuple[list[Nod
                         args[1] = [-1]
                     else:
                         kwargs["dim"] = [-1]
-                elif t.target is _LN_BACKWARD:
-                    args[7] = [True, False, False]  # the input gradient only
+                elif t.target is _LN_BACKWARD:  # the input gradient only
+                    if len(args) > 7:
+                        args[7] = [True, False, False]
+                    else:
+                        kwargs["output_mask"] = [True, False, False]
                 memo[t] = b.call(t.target, *args, **kwargs)
             out = b.call(operator.getitem, memo[t], x.args[1])
         else:

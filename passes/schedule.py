@@ -258,7 +258,7 @@ def serialize_collectives(nodes: list[Node], lanes: int = 0) -> dict[Node, list[
             gloo = ops.group_backend(base) in SERIAL_BACKENDS
             serial[base] = (gloo, gloo and ops.group_comm_threads(base) > 1)
         one_gather, families_apart = serial[base]
-        if n.target is ops.ALL_GATHER and (lanes_mod.is_lane(g) or (one_gather and g in laned)):
+        if n.target is ops.ALL_GATHER and (lanes_mod.is_lane(g) or (one_gather and g in laned and _on_cpu(n))):
             if not lanes_mod.is_lane(g):
                 k = gathers[g] = gathers.get(g, -1) + 1
                 g = lanes_mod.lane_name(g, k % lanes)
@@ -282,6 +282,12 @@ def serialize_collectives(nodes: list[Node], lanes: int = 0) -> dict[Node, list[
             after[n] = before
             add_issue_after(n, *before)
     return after
+
+
+def _on_cpu(coll: Node) -> bool:
+    """Lanes carry CPU tensors only (they register gloo's CPU backend)."""
+    v = ops.val(coll.args[0])
+    return v is not None and v.device.type == "cpu"
 
 
 def _laned_groups(nodes: list[Node]) -> set[str]:

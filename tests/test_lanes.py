@@ -78,23 +78,46 @@ def test_lanes_carry_all_gathers(world2, inner):
         assert r["after"] == []
 
 
-def missing_rank_job(timeout: float) -> tuple[str, float]:
+def missing_rank_job() -> tuple[str, float, list, list]:
+    """A group with a 3 s timeout whose rank 1 never makes the lane: rank 0 raises within the
+    group's timeout. Then a lane both ranks make goes away with its group."""
+    import datetime
+    import gc
+
     from overlapc.errors import OverlapError
     from overlapc.runtime import lanes
 
-    if dist.get_rank() == 1:
-        return "", 0.0
-    t0 = time.monotonic()
-    try:
-        lanes.ensure([lanes.lane_name(dist.group.WORLD.group_name, 7)], timeout)
-    except OverlapError as e:
-        return str(e), time.monotonic() - t0
-    return "made", time.monotonic() - t0
+    g = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
+    msg, took = "", 0.0
+    if dist.get_rank() == 0:
+        t0 = time.monotonic()
+        try:
+            lanes.ensure([lanes.lane_name(g.group_name, 7)])
+            msg = "made"
+        except OverlapError as e:
+            msg = str(e)
+        took = time.monotonic() - t0
+    dist.barrier()
+    both = lanes.lane_name(g.group_name, 0)
+    lanes.ensure([both])
+    made = [n for n in lanes.live() if lanes.base_group(n) == g.group_name]
+    dist.destroy_process_group(g)
+    del g
+    gc.collect()
+    left = [n for n in lanes.live() if n == both]
+    return msg, took, made, left
 
 
 @pytest.mark.distributed
-def test_lane_without_peer_raises(world2):
-    """Rank 1 never makes the lane: rank 0 raises, naming the lane and option lanes=0."""
-    msg, took = world2.run(missing_rank_job, 3.0)[0]
+def test_lane_without_peer_raises_and_lanes_go_with_their_group(world2):
+    """Rank 1 never makes the lane: rank 0 raises within the group's timeout, naming the lane
+    and option lanes=0. A lane both made is shut down once its group is gone."""
+    from overlapc.runtime import lanes
+
+    results = world2.run(missing_rank_job)
+    msg, took, made, left = results[0]
     assert "could not connect lane" in msg and "lanes=0" in msg, msg
     assert took < 3.0 + 10, took
+    assert any(n.endswith(lanes.SEP + "0") for n in made), made
+    for _, _, _, left in results:
+        assert left == [], left

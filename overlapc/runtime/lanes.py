@@ -10,10 +10,12 @@ runs that mix over a shaped link.
 
 Lanes are made when a graph that uses them is compiled, after the ranks agreed on its plan
 (overlapc/agree.py): the same point every rank of the group reaches in the same order, the
-rule plan agreement already relies on. A rank that never arrives makes the others raise
-after the timeout. Lanes live outside torch.distributed's own registry of groups (they
-change no name a user's later ``new_group`` gets) and are shut down at exit or when the
-group they serve is replaced by a new one of the same name.
+rule plan agreement already relies on. They take the group's own options (timeout, network
+devices, worker threads), so a rank that never arrives makes the others raise after the
+group's timeout. Lanes live outside torch.distributed's own registry of groups (they change
+no name a user's later ``new_group`` gets) and are shut down at exit, when the group they
+serve is garbage-collected, or when a new group takes its name. A graph compiled before its
+lanes were shut down names lanes that no longer exist: compile it again.
 """
 
 from __future__ import annotations
@@ -28,11 +30,9 @@ from ..errors import OverlapError
 SEP = "~overlapc_lane"
 """A lane's name is ``<group name><SEP><index>``."""
 
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # re-entered by _release when a collection runs inside _make
 _LANES: dict[str, tuple[weakref.ref, object]] = {}
 """lane name -> (weak reference to the group it serves, the lane's ProcessGroup)."""
-_GENERATION: dict[str, int] = {}
-"""Per group name: how many times its lanes were made in this process (the store prefix)."""
 
 
 def lane_name(group: str, index: int) -> str:
@@ -48,8 +48,9 @@ def is_lane(name: str) -> bool:
     return SEP in name
 
 
-def ensure(names, timeout: float) -> list[str]:
+def ensure(names, timeout: float | None = None) -> list[str]:
     """Make every lane in ``names`` that does not exist yet for its group; returns those made.
+    ``timeout``: seconds to connect and to wait in each collective (default: the group's own).
 
     Every rank of the group must call this for the same lanes in the same order."""
     made = []
@@ -66,9 +67,8 @@ def lanes_in(graph) -> list[str]:
     return sorted({g for n in graph.nodes if ops.is_collective(n) and is_lane(g := ops.group_name(n) or "")})
 
 
-def _make(name: str, timeout: float) -> bool:
+def _make(name: str, timeout: float | None) -> bool:
     import torch
-    import torch.distributed as dist
     from torch._C._distributed_c10d import PrefixStore, ProcessGroup, ProcessGroupGloo, _register_process_group
     from torch.distributed.distributed_c10d import _get_default_store, _resolve_process_group
 
@@ -85,24 +85,43 @@ def _make(name: str, timeout: float) -> bool:
             return False
         if held is not None:  # the group was destroyed and made again under the same name
             _drop(name)
-        gen = _GENERATION[group] = _GENERATION.get(group, -1) + 1
-        rank, size = dist.get_rank(base), base.size()
-        store = PrefixStore(f"overlapc/lane/{name}/{gen}/", _get_default_store())
+        rank, size = base.rank(), base.size()
+        store = _get_default_store()
+        # A namespace every member of this group instance agrees on: the members of one
+        # making arrive together (they are at the same point of the program), so the count of
+        # arrivals at this name, divided by the group's size, is the same on each.
+        gen = (store.add(f"overlapc/lane-arrivals/{name}", 1) - 1) // size
+        prefixed = PrefixStore(f"overlapc/lane/{name}/{gen}/", store)
+        own = base._get_backend(torch.device("cpu")).options
+        opts = ProcessGroupGloo._Options()
+        opts._timeout = datetime.timedelta(seconds=timeout) if timeout else own._timeout
+        opts._devices = own._devices
+        opts._threads = own._threads
         try:
-            pg = ProcessGroup(store, rank, size)
+            pg = ProcessGroup(prefixed, rank, size)
             pg._set_default_backend(ProcessGroup.BackendType.GLOO)
-            gloo = ProcessGroupGloo(PrefixStore("cpu/", store), rank, size, datetime.timedelta(seconds=timeout))
+            gloo = ProcessGroupGloo(PrefixStore("cpu/", prefixed), rank, size, opts)
             pg._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)
             pg._set_group_name(name)
         except Exception as e:
             raise OverlapError(
-                f"overlapc could not connect lane {name!r} of process group {group!r} within {timeout:g} s "
-                f"(rank {rank} of {size}): {e}. Every rank of the group must compile the same graphs in the "
-                "same order; option lanes=0 keeps all collectives on the group itself"
+                f"overlapc could not connect lane {name!r} of process group {group!r} within "
+                f"{opts._timeout.total_seconds():g} s (rank {rank} of {size}): {e}. Every rank of the group "
+                "must compile the same graphs in the same order; option lanes=0 keeps all collectives on "
+                "the group itself"
             ) from e
         _register_process_group(name, pg)
         _LANES[name] = (weakref.ref(base), pg)
+    weakref.finalize(base, _release, name, pg)
     return True
+
+
+def _release(name: str, pg) -> None:
+    """The group a lane served is gone: shut the lane down (unless a new one took its name)."""
+    with _LOCK:
+        held = _LANES.get(name)
+        if held is not None and held[1] is pg:
+            _drop(name)
 
 
 def _drop(name: str) -> None:

@@ -1,6 +1,7 @@
 """Failures of the collectives a rewrite emitted, reported with their site.
 
-A chunked collective runs on the user's process group and completes, times out or fails
+A chunked collective runs on the user's process group (or one of its lanes,
+overlapc/runtime/lanes.py, which take the group's options) and completes, times out or fails
 like any torch collective: within the group's timeout (``init_process_group(timeout=...)``,
 ``new_group(timeout=...)``; torch's defaults are 30 min for gloo, 10 min for NCCL). What
 overlapc adds is the name: the error says which site, which chunk, on which rank of which
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from overlapc.errors import OverlapCommError, OverlapError
+from overlapc.runtime import lanes
 
 # Words of the transport errors a failed or timed-out collective raises (gloo, NCCL).
 _COMM_FAILURE = (
@@ -73,6 +75,7 @@ def name_waits(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         site, chunk, chunks = tag
         coll = node.args[0]
         group = coll.args[-1] if isinstance(coll, torch.fx.Node) and coll.args else "?"
+        group = lanes.base_group(group) if isinstance(group, str) else group  # the user's group, not a lane
         with graph.inserting_before(node):
             new = graph.call_function(wait, (node.args[0], site, chunk, chunks, str(group)))
         new.meta.update(node.meta)
