@@ -283,6 +283,137 @@ def summary(times: dict[str, list[float]], t_comm: list[float], loaded: tuple[fl
     }
 
 
+# ---------------------------------------------------------------------- exposure
+
+WAIT_LABEL = "overlapc_wait|"
+
+
+def _labeled_wait(x, label: str):
+    from torch.profiler import record_function
+
+    with record_function(label):
+        return torch.ops._c10d_functional.wait_tensor.default(x)
+
+
+def label_waits(gm: torch.fx.GraphModule) -> None:
+    """Run each wait of ``gm`` (inner eager) under a profiler label naming what it waits for:
+    ``overlapc_wait|<site>|<chunk>|<chunks>|<pattern>``, from the tag the lowering puts on a
+    rewritten site's waits; ``...|<collective op> <module>|0|1|whole`` for the others. A
+    Python call around the op: microseconds per wait."""
+    from overlapc.passes import ops
+    from overlapc.passes.lower import SITE_WAIT
+
+    for w in [n for n in gm.graph.nodes if n.target is ops.WAIT]:
+        coll = w.args[0]
+        tag = w.meta.get(SITE_WAIT)
+        if tag is not None:
+            site, i, n = tag
+            label = f"{WAIT_LABEL}{site}|{i}|{n}|{site.rsplit(':', 1)[-1]}"
+        else:
+            what = ops.collective_name(coll) if ops.is_collective(coll) else coll.name
+            label = f"{WAIT_LABEL}{what} {ops.module_path(coll) or ''}|0|1|whole"
+        w.target = _labeled_wait
+        w.args = (coll, label)
+    gm.recompile()
+
+
+def wait_exposure(fn) -> dict:
+    """One call of ``fn`` under the profiler, split by what ran (rank-local):
+
+    - ``waits``: seconds the main thread spent in each labelled wait (label_waits), by label;
+    - ``split``: the call's wall time as compute alone (the main thread busy, no collective
+      on gloo's threads: in a wire-bound step, time the link idles), overlapped (both),
+      comm alone (the main thread in a wait while a collective runs) and idle (waiting with
+      nothing running here: a peer is late), and the step itself.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    wall = time.perf_counter() - t0
+    waits: dict[str, float] = {}
+    wait_iv, comm_iv, starts = [], [], []
+    for e in prof.events():
+        a, b = e.time_range.start / 1e6, e.time_range.end / 1e6
+        starts.append(a)
+        if e.name.startswith(WAIT_LABEL):
+            key = e.name[len(WAIT_LABEL) :]
+            waits[key] = waits.get(key, 0.0) + (b - a)
+            wait_iv.append((a, b))
+        elif e.name.startswith("gloo:"):
+            comm_iv.append((a, b))
+    if not starts:
+        return {"waits": waits, "split": {}}
+    lo = min(starts)
+    span = max(e.time_range.end / 1e6 for e in prof.events()) - lo
+    w, c = _union(wait_iv), _union(comm_iv)
+    both_wait_comm = _overlap(w, c)
+    split = {
+        "step": min(wall, span) if span > 0 else wall,
+        "comm_alone": both_wait_comm,
+        "idle": _length(w) - both_wait_comm,
+        "overlapped": _length(c) - both_wait_comm,
+    }
+    split["compute_alone"] = max(0.0, span - _length(w) - split["overlapped"])
+    return {"waits": waits, "split": split}
+
+
+def _union(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(iv):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _length(iv) -> float:
+    return sum(b - a for a, b in iv)
+
+
+def _overlap(x, y) -> float:
+    """Total length where two sorted, disjoint interval lists meet."""
+    i = j = 0
+    tot = 0.0
+    while i < len(x) and j < len(y):
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        tot += max(0.0, b - a)
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return tot
+
+
+def exposure_by_cause(waits: dict[str, float]) -> dict[str, float]:
+    """Exposed seconds of labelled waits by what a pipeline loses them to:
+
+    - fill: the first chunk of a gather (nothing gathered yet to compute on);
+    - drain: the last chunk of a reduce-scatter or all-reduce (nothing left to compute under it);
+    - steady: the other chunks (the link slower than the compute between them);
+    - whole: collectives that were not chunked (the attention boundary's unrewritten ones, the
+      embedding's, sites the plan left alone).
+
+    Chunk positions are a rewrite's wait order: right for the gather and reduce-scatter sites;
+    an all-to-all region numbers its dispatch and combine waits together, and micro-batch
+    slices carry no tags (their waits count as whole)."""
+    out = {"fill": 0.0, "drain": 0.0, "steady": 0.0, "whole": 0.0}
+    for label, t in waits.items():
+        site, i, n, pattern = label.rsplit("|", 3)
+        i, n = int(i), int(n)
+        if n <= 1 or pattern == "whole":
+            out["whole"] += t
+        elif i == 0 and "gather" in pattern:
+            out["fill"] += t
+        elif i == n - 1 and "gather" not in pattern:
+            out["drain"] += t
+        else:
+            out["steady"] += t
+    return out
+
+
 # ---------------------------------------------------------------------- outputs
 
 

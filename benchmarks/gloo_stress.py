@@ -40,7 +40,7 @@ def stress_job(kind: str, seconds: float, lanes: int = 0) -> tuple[int, int]:
 
     weight = torch.randn(DIM, DIM)
     t0, rounds, wrong = time.time(), 0, 0
-    while time.time() - t0 < seconds:
+    while True:
         v = float(rounds % 7)
         # All-gather inputs are views into one buffer, as row chunks are.
         base = torch.cat([torch.full((ROWS, DIM), r * 100 + v + k) for k in range(2)])
@@ -65,6 +65,12 @@ def stress_job(kind: str, seconds: float, lanes: int = 0) -> tuple[int, int]:
             want = torch.full((ROWS, DIM), float(sum(q + 1 + k for q in range(w))))
             wrong += not torch.equal(fc.wait_tensor(out), want)
         rounds += 1
+        # Every rank stops after the same round: a rank that checked its own clock alone
+        # could start one more round than the others and wait on them forever.
+        done = torch.tensor([float(time.time() - t0 >= seconds)])
+        dist.all_reduce(done, op=dist.ReduceOp.MAX)
+        if done.item():
+            break
     return rounds, wrong
 
 
@@ -78,6 +84,8 @@ def main() -> int:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--lanes", type=int, default=0, help="all-gathers on this many lanes (0: on the group)")
     args = ap.parse_args()
+    if args.lanes == 1 and args.kind != "rs_rs":
+        ap.error("--lanes 1 puts both all-gathers of a round on one lane, which overlapc never does; use 0 or >= 2")
     with EmulatedCluster(args.world, args.rate) as cluster:
         world = cluster.world(timeout=args.seconds + 300)
         try:

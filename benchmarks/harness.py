@@ -15,6 +15,7 @@ import math
 import os
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -59,8 +60,11 @@ def _variants(cfg):
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     inner = cfg["inner"]
+    # Waits under profiler labels, for the exposure breakdown. Inner eager only: the graphs run
+    # as they are there, while inductor cannot lower the Python call around each wait.
+    label = (common.label_waits,) if cfg.get("exposure") and inner == "eager" else ()
     backends = {
-        "base": lambda: Backend(Options(inner=inner, strategy="none", schedule=False)),
+        "base": lambda: Backend(Options(inner=inner, strategy="none", schedule=False), extra_passes=label),
         "overlapc": lambda: Backend(
             Options(
                 inner=inner,
@@ -68,12 +72,15 @@ def _variants(cfg):
                 chunks=cfg["chunks"],
                 overrides=cfg.get("overrides", {}),
                 hardware=cfg.get("hardware"),
-            )
+            ),
+            extra_passes=label,
         ),
         "compute": lambda: compute_alone(inner),
     }
     for name, opts in cfg.get("extra", {}).items():  # --variant: more overlapc options, same run
-        backends[name] = lambda opts=opts: Backend(Options(**{"inner": inner, "hardware": cfg.get("hardware"), **opts}))
+        backends[name] = lambda opts=opts: Backend(
+            Options(**{"inner": inner, "hardware": cfg.get("hardware"), **opts}), extra_passes=label
+        )
     out = {}
     for name, make in backends.items():
         # Inputs as built: a float input that requires grad stands for an earlier layer's
@@ -84,7 +91,8 @@ def _variants(cfg):
     return out
 
 
-def _step_fn(compiled, model, inputs, mode):
+def _step_fn(compiled, model, inputs, mode, phases: list | None = None):
+    """One step; a training step appends its (forward, backward) seconds to ``phases``."""
     if mode == "forward":
 
         def step():
@@ -96,9 +104,23 @@ def _step_fn(compiled, model, inputs, mode):
             for p in [*model.parameters(), *inputs]:
                 if isinstance(p, torch.Tensor):
                     p.grad = None
-            compiled(*inputs).float().pow(2).mean().backward()
+            t0 = time.perf_counter()
+            loss = compiled(*inputs).float().pow(2).mean()
+            t1 = time.perf_counter()
+            loss.backward()
+            if phases is not None:
+                phases.append((t1 - t0, time.perf_counter() - t1))
 
     return step
+
+
+def _phase_medians(phases: dict[str, list], skip: int) -> dict[str, list[float]]:
+    """Per variant, [forward, backward] medians of the timed steps (the first ``skip`` were
+    warm-up), at the slowest rank."""
+    names = sorted(phases)
+    local = torch.tensor([[statistics.median(p[k] for p in phases[n][skip:]) for k in (0, 1)] for n in names])
+    dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    return {n: local[i].tolist() for i, n in enumerate(names)}
 
 
 def bench_job(cfg: dict) -> dict:
@@ -108,8 +130,11 @@ def bench_job(cfg: dict) -> dict:
     # otherwise dynamo breaks the graph there and specialises each rank on its own sizes.
     torch._dynamo.config.capture_scalar_outputs = cfg["model"].get("form") == "dropless"
     variants = _variants(cfg)
+    phases = {n: [] for n in variants}
     steps = {
-        n: _step_fn(c, m, x, cfg["mode"]) for n, (c, m, be, x) in variants.items() if n in cfg.get("variants", variants)
+        n: _step_fn(c, m, x, cfg["mode"], phases[n])
+        for n, (c, m, be, x) in variants.items()
+        if n in cfg.get("variants", variants)
     }
     # Compile, warm up, and let option adapt settle: a graph it races runs the planned and the
     # captured program alternately for 2 * (1 + adapt) calls before it keeps one; timing those
@@ -131,6 +156,16 @@ def bench_job(cfg: dict) -> dict:
         return {"t_compute": statistics.median(comp), "t_comm": statistics.median(comm)}
     times = common.interleaved(steps, cfg["iters"])
     comm = [common.replay_comm(calls) for _ in range(cfg["iters"])]
+    per_phase = None
+    if cfg["mode"] == "train" and cfg.get("phases"):
+        # Forward and backward apart: their own medians, and each graph's collectives replayed alone.
+        per_phase = {"steps": _phase_medians({n: phases[n] for n in steps}, settle)}
+        per_phase["comm"] = [
+            statistics.median(
+                common.replay_comm(common.collective_calls(variants["base"][2].report, (g,))) for _ in range(3)
+            )
+            for g in ("forward", "backward")
+        ]
     # Both at once, each timed as if alone: how much each slows the other on these cores.
     # Rounds enough for ~3 compute steps under them, the same on every rank (replay_comm's
     # times are each rank's own: a count taken from them differed between ranks and hung).
@@ -146,6 +181,10 @@ def bench_job(cfg: dict) -> dict:
         print(f"compute-under-comm measurement failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
     result = common.summary(times, comm, loaded)
     result["times"] = times
+    if per_phase is not None:
+        result["phases"] = per_phase
+    if cfg.get("exposure"):  # one profiled step each, rank 0's waits
+        result["exposure"] = {n: common.wait_exposure(s) for n, s in steps.items() if n != "compute"}
     denom = min(result["t_compute"], result["t_comm"])
     result["variants"] = {}
     for name, opts in cfg.get("extra", {}).items():
@@ -273,7 +312,9 @@ def parse_variants(specs) -> dict[str, dict]:
     return out
 
 
-def run(bench: Bench, model: dict, args) -> list[dict]:
+def run(bench: Bench, model: dict, args, **cfg_extra) -> list[dict]:
+    """Every (world, mode) of ``args`` in its own cluster; ``cfg_extra`` goes to bench_job
+    (phases=True: forward and backward apart; exposure=True: labelled waits)."""
     from benchmarks.cluster import EmulatedCluster
 
     rows = []
@@ -289,6 +330,7 @@ def run(bench: Bench, model: dict, args) -> list[dict]:
                 extra=extra,
                 mode=mode,
                 iters=args.iters,
+                **cfg_extra,
             )
             rate = 400.0 if args.rate == "auto" else float(args.rate)
             with EmulatedCluster(world_size, rate_mbit=rate) as cluster:
