@@ -284,7 +284,7 @@ def local_row_chunks(b: Builder, root: Node, sizes: list[int]) -> tuple[list[Nod
     if len(sources) > 1:
         pos = {n: i for i, n in enumerate(root.graph.nodes)}
         nearest = max(sources, key=lambda src: pos[src])
-        first = _ancestors(nearest.meta[LOCAL_ROWS].pieces[:1])
+        first = ancestors(nearest.meta[LOCAL_ROWS].pieces[:1])
         skip = {a for a in sources if a is not nearest and set(a.meta[LOCAL_ROWS].pieces) <= first}
     if skip:
         reach.clear()
@@ -351,7 +351,8 @@ def local_row_chunks(b: Builder, root: Node, sizes: list[int]) -> tuple[list[Nod
     return out, sorted(set(sources.values()))
 
 
-def _ancestors(nodes: list[Node]) -> set[Node]:
+def ancestors(nodes: list[Node]) -> set[Node]:
+    """Every node the given ones depend on (not themselves)."""
     seen, stack = set(), list(nodes)
     while stack:
         for p in stack.pop().all_input_nodes:

@@ -64,7 +64,7 @@ def lanes_job(inner: str) -> dict:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("inner", ["eager", "inductor"])
+@pytest.mark.parametrize("inner", ["eager", pytest.param("inductor", marks=pytest.mark.extended)])
 def test_lanes_carry_all_gathers(world2, inner):
     from overlapc.runtime import lanes
 

@@ -17,6 +17,7 @@ import torch.distributed._functional_collectives as funcol
 import overlapc
 from overlapc.explain import capture
 from overlapc.passes import ops
+from overlapc.passes.rows import ancestors
 from overlapc.passes.schedule import ISSUE_AFTER, issue_after, list_schedule, serialize_collectives
 from overlapc.runtime import lanes
 
@@ -114,13 +115,7 @@ def test_rewritten_graph_order(fake_mesh8):
 
 
 def _ancestors(node):
-    seen, stack = set(), [node]
-    while stack:
-        for p in stack.pop().all_input_nodes:
-            if p not in seen:
-                seen.add(p)
-                stack.append(p)
-    return seen
+    return ancestors([node])
 
 
 def test_row_chunks_chain_from_gather_to_scatter(fake_mesh8):
