@@ -36,6 +36,9 @@ VARIANTS = [
     ["slices", "microbatches=2", "strategy=none"],
 ]
 NAMES = ("decompose", "default", "lanes2", "slices")
+_LABEL = {"overlapc": "decompose"}
+"""The harness's name of the decompose row -> this report's."""
+_HARNESS = {v: k for k, v in _LABEL.items()}
 
 
 def main(argv=None) -> int:
@@ -61,7 +64,7 @@ def _phase_e(r, name: str) -> str:
     ph = r.get("phases")
     if not ph:
         return "n/a"
-    key = "overlapc" if name == "decompose" else name
+    key = _HARNESS.get(name, name)
     steps, comm = ph["steps"], ph["comm"]
     if key not in steps:
         return "n/a"
@@ -111,6 +114,37 @@ def write_report(rows: list[dict], cmd: str) -> str:
             comp = "/".join(f"{t * 1e3:.0f}" for t in ph["steps"]["compute"])
             comm = "/".join(f"{t * 1e3:.0f}" for t in ph["comm"])
             lines.append(f"| {r['world_size']} | {comp} | {comm} | " + " | ".join(_phase_e(r, n) for n in NAMES) + " |")
+    split_rows, cause_rows = [], []
+    for r in rows:
+        for name, got in r.get("exposure", {}).items():
+            label = _LABEL.get(name, name)
+            where = f"| {r['world_size']} | {r['mode']} | {label}"
+            sp, waits = got.get("split"), got.get("waits")
+            if sp:
+                split_rows.append(
+                    f"{where} | "
+                    + " | ".join(
+                        f"{sp[k] * 1e3:.0f}" for k in ("step", "compute_alone", "overlapped", "comm_alone", "idle")
+                    )
+                    + " |"
+                )
+            kept = [g for g, k, *_ in r.get("variants", {}).get(name, {}).get("adapted", []) if k != "planned"]
+            if kept:  # option adapt kept the graph as captured there: its waits carry no labels
+                where += f" (adapt kept the captured {', '.join(kept)})"
+            if not waits:
+                cause_rows.append(f"{where} | n/a | n/a | n/a | n/a | n/a | |")
+                continue
+            by = common.exposure_by_cause(waits)
+            sites: dict[str, float] = {}
+            for k, t in waits.items():
+                site = k.rsplit("|", 3)[0]
+                sites[site] = sites.get(site, 0.0) + t
+            top = ", ".join(f"{s} {t * 1e3:.0f}" for s, t in sorted(sites.items(), key=lambda x: -x[1])[:3])
+            cause_rows.append(
+                f"{where} | "
+                + " | ".join(f"{by[c] * 1e3:.0f}" for c in ("fill", "drain", "steady", "whole"))
+                + f" | {sum(by.values()) * 1e3:.0f} | {top} |"
+            )
     lines += [
         "",
         "Where one profiled step's time went on rank 0 (ms): compute alone (the link idle, which a "
@@ -119,21 +153,7 @@ def write_report(rows: list[dict], cmd: str) -> str:
         "",
         "| world | step | variant | step | compute alone | overlapped | comm alone | idle |",
         "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        for name, got in r.get("exposure", {}).items():
-            sp = got.get("split") if isinstance(got, dict) else None
-            if not sp:
-                continue
-            label = "decompose" if name == "overlapc" else name
-            lines.append(
-                f"| {r['world_size']} | {r['mode']} | {label} | "
-                + " | ".join(
-                    f"{sp[k] * 1e3:.0f}" for k in ("step", "compute_alone", "overlapped", "comm_alone", "idle")
-                )
-                + " |"
-            )
-    lines += [
+        *split_rows,
         "",
         "Exposure: ms rank 0's compute thread waited for communication in one profiled step, by cause "
         "(fill: a gather's first chunk; drain: a reduce-scatter's last; steady: other chunks; whole: "
@@ -141,28 +161,8 @@ def write_report(rows: list[dict], cmd: str) -> str:
         "",
         "| world | step | variant | fill | drain | steady | whole | total | top sites |",
         "|---|---|---|---|---|---|---|---|---|",
+        *cause_rows,
     ]
-    for r in rows:
-        for name, got in r.get("exposure", {}).items():
-            waits = got.get("waits", {}) if "waits" in got else got
-            label = "decompose" if name == "overlapc" else name
-            kept = [g for g, k, *_ in r.get("variants", {}).get(name, {}).get("adapted", []) if k != "planned"]
-            if kept:  # option adapt kept the graph as captured there: its waits carry no labels
-                label += f" (adapt kept the captured {', '.join(kept)})"
-            if not waits:
-                lines.append(f"| {r['world_size']} | {r['mode']} | {label} | n/a | n/a | n/a | n/a | n/a | |")
-                continue
-            by = common.exposure_by_cause(waits)
-            sites: dict[str, float] = {}
-            for k, t in waits.items():
-                site = k.rsplit("|", 3)[0]
-                sites[site] = sites.get(site, 0.0) + t
-            top = ", ".join(f"{s} {t * 1e3:.0f}" for s, t in sorted(sites.items(), key=lambda x: -x[1])[:3])
-            lines.append(
-                f"| {r['world_size']} | {r['mode']} | {label} | "
-                + " | ".join(f"{by[c] * 1e3:.0f}" for c in ("fill", "drain", "steady", "whole"))
-                + f" | {sum(by.values()) * 1e3:.0f} | {top} |"
-            )
     body = "\n".join(lines)
     return common.write_run_report("wire", f"Wire-bound: {TITLE}", f"Wire-bound, {TITLE} (issue 31)", body, rows)
 

@@ -214,17 +214,14 @@ def wait_of(coll: Node) -> Node | None:
     return None
 
 
+_GROUP_ARG = {ALL_GATHER: 2, REDUCE_SCATTER: 3, ALL_REDUCE: 2, ALL_TO_ALL: 3}
+"""Position of the process-group name among each matched collective's arguments."""
+
+
 def group_name(coll: Node) -> str | None:
     """The process-group name argument of a functional collective."""
-    t = coll.target
-    if t is ALL_GATHER:
-        return coll.args[2]
-    if t is REDUCE_SCATTER:
-        return coll.args[3]
-    if t is ALL_REDUCE:
-        return coll.args[2]
-    if t is ALL_TO_ALL:
-        return coll.args[3]
+    if coll.target in _GROUP_ARG:
+        return coll.args[_GROUP_ARG[coll.target]]
     for a in reversed(coll.args):
         if isinstance(a, str):
             return a
@@ -254,9 +251,8 @@ def world_size(coll: Node) -> int | None:
 
 def set_group_name(coll: Node, name: str) -> None:
     """Point a functional collective at the process group called ``name``."""
-    pos = {ALL_GATHER: 2, REDUCE_SCATTER: 3, ALL_REDUCE: 2, ALL_TO_ALL: 3}[coll.target]
     args = list(coll.args)
-    args[pos] = name
+    args[_GROUP_ARG[coll.target]] = name
     coll.args = tuple(args)
 
 

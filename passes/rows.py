@@ -189,6 +189,11 @@ its backward's input gradient (the weight and bias gradients sum over rows: not 
 var_mean over the last dim keeping it (inductor's decomposition of LayerNorm)."""
 
 
+def _last_dim_only(dims, rank: int) -> bool:
+    """Whether a reduction's ``dims`` are exactly the last of ``rank`` dims."""
+    return isinstance(dims, (list, tuple)) and [d % rank for d in dims] == [rank - 1]
+
+
 def _row_tuple_ok(n: Node, index) -> bool:
     shape = static_shape(n.args[0])
     if not shape:
@@ -198,11 +203,7 @@ def _row_tuple_ok(n: Node, index) -> bool:
     if n.target is _LN_BACKWARD:
         return index == 0 and list(n.args[2]) == shape[-1:]
     dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
-    return (
-        n.kwargs.get("keepdim") is True
-        and isinstance(dims, (list, tuple))
-        and [d % len(shape) for d in dims] == [len(shape) - 1]
-    )
+    return n.kwargs.get("keepdim") is True and _last_dim_only(dims, len(shape))
 
 
 def local_row_chunks(b: Builder, root: Node, sizes: list[int]) -> tuple[list[Node], list[str]] | None:
@@ -233,6 +234,10 @@ def local_row_chunks(b: Builder, root: Node, sizes: list[int]) -> tuple[list[Nod
         s = static_shape(n)
         return s is not None and all(d == 1 for d in s[:-1])
 
+    def operands_fit(tensors: list[Node], rank: int) -> bool:
+        """Every operand has the rows, at the result's rank, or none."""
+        return all((rowed(a) is not None and len(rowed(a)) == rank) or rowless(a) for a in tensors)
+
     def reaches(n) -> bool:
         if not isinstance(n, Node) or n.op != "call_function":
             return False
@@ -250,30 +255,20 @@ def local_row_chunks(b: Builder, root: Node, sizes: list[int]) -> tuple[list[Nod
                 src = rowed(n.args[0])
                 reach[n] = src is not None and src[-1] == s[-1] and reaches(n.args[0])
             elif n.target in _ROW_REDUCTIONS:
-                dims, keep = (n.args[1:3] + (False,))[:2] if len(n.args) > 1 else (None, False)
-                last = len(s) - 1
-                reach[n] = (
-                    keep is True
-                    and isinstance(dims, (list, tuple))
-                    and [d % len(s) for d in dims] == [last]
-                    and not n.kwargs
-                    and reaches(n.args[0])
-                )
+                dims = n.args[1] if len(n.args) > 1 else None
+                keep = len(n.args) > 2 and n.args[2] is True
+                reach[n] = keep and _last_dim_only(dims, len(s)) and not n.kwargs and reaches(n.args[0])
             elif n.target is ops.aten.expand.default:
                 src = rowed(n.args[0])
                 reach[n] = src is not None and len(src) == len(s) and src[-1] == 1 and reaches(n.args[0])
             elif n.target is operator.getitem and isinstance(n.args[0], Node) and n.args[0].target in _ROW_TUPLES:
                 t = n.args[0]
                 tensors = [a for a in (*t.args, *t.kwargs.values()) if isinstance(a, Node)]
-                reach[n] = (
-                    _row_tuple_ok(t, n.args[1])
-                    and all((rowed(a) is not None and len(rowed(a)) == len(s)) or rowless(a) for a in tensors)
-                    and any([reaches(a) for a in tensors])
-                )
+                ok = _row_tuple_ok(t, n.args[1]) and operands_fit(tensors, len(s))
+                reach[n] = ok and any([reaches(a) for a in tensors])  # visit all: every source counts
             elif ops.is_pointwise(n):
                 tensors = [a for a in (*n.args, *n.kwargs.values()) if isinstance(a, Node)]
-                ok = all((rowed(a) is not None and len(rowed(a)) == len(s)) or rowless(a) for a in tensors)
-                reach[n] = ok and any([reaches(a) for a in tensors])  # visit all: every source counts
+                reach[n] = operands_fit(tensors, len(s)) and any([reaches(a) for a in tensors])
         return reach[n]
 
     if not reaches(root):
