@@ -8,7 +8,8 @@ order. Capacity slots of a packed MoE buffer (E * cap, d) are ``Axis(0, cap)``: 
 chunk holds slots [s, s + n) of every expert.
 
 A region starts at the wait of a collective and grows forward through ops that act on
-the chunks independently (:func:`step_of`): reshapes that keep the factor whole,
+the chunks independently (one :class:`Rule` per op, asked downstream by :func:`step_of` and
+upstream by :func:`inputs_for`): reshapes that keep the factor whole,
 transposes, pointwise ops, matmuls whose output follows the axis (rows, columns, or the
 batch of a bmm). A matmul or sum that reduces over the axis ends the region as a sum of
 per-chunk partials (in fp32; in bf16/fp16 it runs whole on operands rebuilt from the
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -143,129 +145,6 @@ def _broadcast_treatment(operand: Node, out_shape: list[int], axis: Axis):
     return False
 
 
-def step_of(node: Node, axes: dict[Node, Axis]) -> Step | None:
-    """The per-chunk rule for ``node``, one of whose operands is in the region (None: no rule)."""
-    if node.op != "call_function":
-        return None
-    t = node.target
-    if t is operator.getitem:
-        src = node.args[0]
-        shape = static_shape(node)
-        a = axes.get(src)
-        if a is not None and src.target in BATCHED:  # a result with its own head count (GQA: dk, dv)
-            if node.args[1] not in BATCHED[src.target].outputs:
-                return None
-            a = heads_axis(a, static_shape(src.args[0]), shape)
-        if a is not None and shape is not None and a.fits(shape):
-            return Step(node, a, {0: PIECE})
-        return None
-    if not isinstance(t, torch._ops.OpOverload):
-        return None
-    if t in BATCHED:
-        return _batched_step(node, axes)
-    if t is ops.aten.split.Tensor and node.args[0] in axes:  # a tuple: its getitems carry the axis
-        a, src = axes[node.args[0]], static_shape(node.args[0])
-        d = _norm(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), len(src or []))
-        size = node.args[1]
-        if src is None or not isinstance(size, int) or (d == a.dim and size % (a.extent * a.inner)):
-            return None  # a piece would cut the axis
-        return Step(node, a, {0: PIECE})
-    out = static_shape(node)
-    if out is None:
-        return None
-    if t is ops.ALL_TO_ALL and node.args[0] in axes and all_to_all_fits(node, axes[node.args[0]]):
-        return Step(node, axes[node.args[0]], {0: PIECE})
-    if t is ops.WAIT and node.args[0] in axes:
-        return Step(node, axes[node.args[0]], {0: PIECE})
-    if t in (ops.ALL_GATHER, ops.REDUCE_SCATTER) and node.args[0] in axes:
-        a = axes[node.args[0]]
-        # dim 0 holds the ranks' blocks: an all-gather stacks them (the axis' outer factor
-        # grows by the world size), a reduce-scatter keeps one (it must not cut a block).
-        if t is ops.REDUCE_SCATTER and a.dim == 0 and a.outer(static_shape(node.args[0])) % ops.world_size(node):
-            return None
-        return Step(node, a, {0: PIECE}) if a.fits(out) else None
-    if t in (ops.aten.stack.default, ops.aten.cat.default):
-        return _concat_step(node, axes)
-    if any(isinstance(a, (list, tuple)) and any(isinstance(x, Node) for x in a) for a in node.args):
-        return None
-    reached = {k: a for k, a in _tensor_args(node) if a in axes}
-    if t in ops.RESHAPES and 0 in reached and len(reached) == 1:
-        a = axes[node.args[0]]
-        new = through_reshape(static_shape(node.args[0]), a, out)
-        if new is None:
-            return None
-        # view/reshape/_unsafe_view take the new shape; squeeze/unsqueeze/flatten keep their
-        # dim arguments valid because sizes, not ranks, change.
-        shape_arg = (
-            (1, out) if t in (ops.aten.view.default, ops.aten._unsafe_view.default, ops.aten.reshape.default) else None
-        )
-        return Step(node, new, {0: PIECE}, shape_arg)
-    if t in ops.PERMUTES and list(reached) == [0]:
-        a = axes[node.args[0]]
-        perm = _perm(node, len(out))
-        return Step(node, Axis(perm.index(a.dim), a.extent, a.inner), {0: PIECE})
-    if t is ops.aten.select.int and list(reached) == [0]:
-        a = axes[node.args[0]]
-        d = _norm(node.args[1], len(out) + 1)
-        if d == a.dim:
-            return None
-        return Step(node, Axis(a.dim - (d < a.dim), a.extent, a.inner), {0: PIECE})
-    if t is ops.aten.slice.Tensor and list(reached) == [0]:
-        a = axes[node.args[0]]
-        d = _norm(node.args[1] if len(node.args) > 1 else 0, len(out))
-        if d == a.dim and not ops.is_full_slice(node):
-            return None
-        return Step(node, a, {0: PIECE})
-    if t is ops.aten.select_backward.default and list(reached) == [0]:
-        a = axes[node.args[0]]
-        d = _norm(node.args[2], len(out))
-        return Step(node, Axis(a.dim + (d <= a.dim), a.extent, a.inner), {0: PIECE}, (1, out))
-    if t is ops.aten.slice_backward.default and list(reached) == [0]:
-        a = axes[node.args[0]]
-        if _norm(node.args[2], len(out)) == a.dim:
-            return None
-        return Step(node, a, {0: PIECE}, (1, out))
-    if t is ops.aten.expand.default and list(reached) == [0]:
-        a = axes[node.args[0]]
-        src = static_shape(node.args[0])
-        if len(src) != len(out) or src[a.dim] != out[a.dim]:
-            return None
-        return Step(node, a, {0: PIECE}, (1, out))
-    if t is ops.aten.detach.default and list(reached) == [0]:
-        return Step(node, axes[node.args[0]], {0: PIECE})
-    if t is ops.aten.mm.default or ops.is_batched_matmul(node):
-        return _matmul_step(node, axes)
-    if t in (ops.aten.sum.dim_IntList, ops.aten.mean.dim) and list(reached) == [0]:
-        a = axes[node.args[0]]
-        rank = len(static_shape(node.args[0]))
-        dims = [_norm(d, rank) for d in (node.args[1] or range(rank))]
-        keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-        if a.dim in dims:  # a sum over the axis: per-chunk partials (a mean's would need rescaling)
-            return Step(node, None, {0: PIECE}) if t is ops.aten.sum.dim_IntList else None
-        shift = 0 if keep else sum(d < a.dim for d in dims)
-        return Step(node, Axis(a.dim - shift, a.extent, a.inner), {0: PIECE})
-    if ops.is_pointwise(node):
-        if t is ops.aten._to_copy.default and not ops.same_place_copy(node):
-            return None
-        axis = next(iter(axes[n] for n in reached.values()))
-        if not axis.fits(out):
-            return None
-        operands = {}
-        for k, a in _tensor_args(node):
-            if a in axes:
-                sa = static_shape(a)
-                if axes[a] != axis or sa is None or len(sa) != len(out) or sa[axis.dim] != out[axis.dim]:
-                    return None  # (other dims may broadcast: a norm's (.., 1) scale)
-                operands[k] = PIECE
-            else:
-                how = _broadcast_treatment(a, out, axis)
-                if how is False:
-                    return None
-                operands[k] = how
-        return Step(node, axis, operands)
-    return None
-
-
 @dataclass(frozen=True)
 class Attention:
     """A fused attention op, forward or backward: every tensor of ``batched`` (arg positions)
@@ -335,32 +214,6 @@ def heads_axis(a: Axis, src: list[int] | None, dst: list[int] | None) -> Axis | 
     return Axis(1, a.extent, dst[1] // (a.extent * outer))
 
 
-def _batched_step(node: Node, axes: dict[Node, Axis]) -> Step | None:
-    """A fused attention op: its axis is that of its first argument (query, or in the backward
-    the output's gradient); each (batch, heads, ...) operand follows it (:func:`heads_axis`)."""
-    spec = BATCHED[node.target]
-    batched = _batched_args(node)
-    ref = static_shape(node.args[0])
-    reached = [heads_axis(axes[n], static_shape(n), ref) for _, n in batched if n in axes]
-    if not reached or None in reached or any(r != reached[0] for r in reached):
-        return None
-    if any(a in axes for k, a in _tensor_args(node) if k not in spec.batched):
-        return None
-    a = reached[0]
-    if (ops.arg(node, "dropout_p") or 0.0) != 0.0 or any(ops.arg(node, name) for name in spec.off):
-        return None
-    if any(ops.arg(node, name) is not None for name in spec.none):
-        return None  # an attention bias or mask, or nested-tensor sequence offsets
-    operands = {}
-    for k, n in batched:
-        shape = static_shape(n)
-        want = heads_axis(a, ref, shape)
-        if want is None or not want.fits(shape) or (n in axes and axes[n] != want):
-            return None
-        operands[k] = PIECE if n in axes else want
-    return Step(node, a, operands)
-
-
 def invariant_output(node: Node) -> bool:
     """A getitem of an attention op's result that is the same for every chunk (see :class:`Attention`)."""
     return (
@@ -372,70 +225,490 @@ def invariant_output(node: Node) -> bool:
     )
 
 
-def _concat_step(node: Node, axes: dict[Node, Axis]) -> Step | None:
-    """stack / cat of same-shaped region tensors with one axis, not along the axis (the
-    per-expert loop stacks its experts' outputs)."""
-    xs = node.args[0]
-    if not all(isinstance(x, Node) and x in axes for x in xs):
-        return None
-    a, shape = axes[xs[0]], static_shape(xs[0])
-    if shape is None or any(axes[x] != a or static_shape(x) != shape for x in xs):
-        return None
-    d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    if node.target is ops.aten.stack.default:
-        d = _norm(d, len(shape) + 1)
-        return Step(node, Axis(a.dim + (d <= a.dim), a.extent, a.inner), {0: PIECE})
-    # Along the axis dim, the pieces' blocks stack (the axis' outer factor grows): chunk c of
-    # the result is the pieces' chunks c (sequence parallelism's scatter layout).
-    return Step(node, a, {0: PIECE})
+# ----------------------------------------------------------------------------- rules
+#
+# One rule per op answers both directions, as DTensor's op strategies do for placements:
+# ``step`` (downstream) says how the op runs per chunk once some of its operands are in the
+# region, and which axis its output gets; ``inputs`` (upstream) says which inputs, chunked
+# along which axes, give its output chunked along a given axis. None in either direction: the
+# op is not carried (downstream), or its output is narrowed from the whole tensor (upstream).
 
 
-def _matmul_step(node: Node, axes: dict[Node, Axis]) -> Step | None:
+@dataclass(frozen=True)
+class Chain:
+    """The collectives an upstream pull may take in: of ``kinds``, where ``may_chain`` agrees."""
+
+    may_chain: Callable[[Node], bool]
+    kinds: tuple
+
+    def admits(self, coll: Node) -> bool:
+        return coll.target in self.kinds and self.may_chain(coll)
+
+
+class Rule:
+    def step(self, node: Node, axes: dict[Node, Axis]) -> Step | None:
+        return None
+
+    def inputs(self, x: Node, a: Axis, chain: Chain) -> list[tuple[Node, Axis]] | None:
+        return None
+
+
+_RULES: dict = {}
+_FAMILIES: list[tuple[Callable[[Node], bool], Rule]] = []
+
+
+def rule(*targets, when: Callable[[Node], bool] | None = None):
+    """Register a :class:`Rule` subclass for the ops ``targets``, and for every node ``when``
+    accepts (families: pointwise ops, batched matmuls), tried in registration order."""
+
+    def register(cls):
+        inst = cls()
+        _RULES.update(dict.fromkeys(targets, inst))
+        if when is not None:
+            _FAMILIES.append((when, inst))
+        return cls
+
+    return register
+
+
+def rule_for(node: Node) -> Rule | None:
+    if node.op != "call_function":
+        return None
+    found = _RULES.get(node.target)
+    if found is not None:
+        return found
+    return next((r for when, r in _FAMILIES if when(node)), None)
+
+
+def step_of(node: Node, axes: dict[Node, Axis]) -> Step | None:
+    """The per-chunk rule for ``node``, one of whose operands is in the region (None: no rule)."""
+    r = rule_for(node)
+    return r.step(node, axes) if r is not None else None
+
+
+def inputs_for(x: Node, a: Axis, may_chain=lambda coll: True, kinds=(ops.ALL_TO_ALL,)) -> list | None:
+    """The inputs of ``x`` and their axes from which ``x`` chunked along ``a`` can be
+    computed (None: none; ``x`` is then narrowed)."""
+    r = rule_for(x)
+    return r.inputs(x, a, Chain(may_chain, tuple(kinds))) if r is not None else None
+
+
+def _dim_arg(node: Node, pos: int) -> int:
+    return node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", 0)
+
+
+def _plain(node: Node, axes: dict[Node, Axis]) -> tuple[list[int], dict] | None:
+    """The output's static shape and the operands in the region (position -> node), for an op
+    with no list of tensors among its arguments (None otherwise)."""
+    out = static_shape(node)
+    if out is None or any(isinstance(a, (list, tuple)) and any(isinstance(x, Node) for x in a) for a in node.args):
+        return None
+    return out, {k: a for k, a in _tensor_args(node) if a in axes}
+
+
+def _unary(node: Node, axes: dict[Node, Axis]) -> tuple[list[int], Axis] | None:
+    """The output's static shape and the axis of the first operand, when it is the only one in the region."""
+    got = _plain(node, axes)
+    if got is None or list(got[1]) != [0]:
+        return None
+    return got[0], axes[node.args[0]]
+
+
+def _perm(node: Node, rank: int) -> list[int]:
+    """out dim j = in dim perm[j]."""
+    t = node.target
+    if t is ops.aten.t.default:
+        return [1, 0] if rank == 2 else [0]
+    if t is ops.aten.transpose.int:
+        d0, d1 = _norm(node.args[1], rank), _norm(node.args[2], rank)
+        perm = list(range(rank))
+        perm[d0], perm[d1] = d1, d0
+        return perm
+    return [_norm(d, rank) for d in node.args[1]]
+
+
+@rule(operator.getitem)
+class _Item(Rule):
+    """An item of a tuple (split, attention): it carries its op's axis."""
+
+    def step(self, node, axes):
+        src = node.args[0]
+        shape = static_shape(node)
+        a = axes.get(src)
+        if a is not None and src.target in BATCHED:  # a result with its own head count (GQA: dk, dv)
+            if node.args[1] not in BATCHED[src.target].outputs:
+                return None
+            a = heads_axis(a, static_shape(src.args[0]), shape)
+        if a is not None and shape is not None and a.fits(shape):
+            return Step(node, a, {0: PIECE})
+        return None
+
+    def inputs(self, x, a, chain):
+        src = x.args[0]
+        if isinstance(src, Node) and src.target in BATCHED:
+            sa = heads_axis(a, static_shape(x), static_shape(src.args[0]))
+            return [(src, sa)] if sa is not None else None
+        return [(src, a)] if isinstance(src, Node) and src.target in TUPLES else None
+
+
+@rule(ops.aten.split.Tensor)
+class _Split(Rule):
+    """A tuple: its getitems carry the axis. A piece along the axis dim keeps whole blocks of it."""
+
+    def step(self, node, axes):
+        if node.args[0] not in axes:
+            return None
+        a, src = axes[node.args[0]], static_shape(node.args[0])
+        d = _norm(_dim_arg(node, 2), len(src or []))
+        size = node.args[1]
+        if src is None or not isinstance(size, int) or (d == a.dim and size % (a.extent * a.inner)):
+            return None  # a piece would cut the axis
+        return Step(node, a, {0: PIECE})
+
+    def inputs(self, x, a, chain):
+        d = _norm(_dim_arg(x, 2), len(static_shape(x.args[0]) or [0]))
+        return [(x.args[0], a)] if d != a.dim else None
+
+
+@rule(*BATCHED)
+class _Attention(Rule):
+    """A fused attention op: its axis is that of its first argument (query, or in the backward
+    the output's gradient); each (batch, heads, ...) operand follows it (:func:`heads_axis`)."""
+
+    def step(self, node, axes):
+        spec = BATCHED[node.target]
+        batched = _batched_args(node)
+        ref = static_shape(node.args[0])
+        reached = [heads_axis(axes[n], static_shape(n), ref) for _, n in batched if n in axes]
+        if not reached or None in reached or any(r != reached[0] for r in reached):
+            return None
+        if any(a in axes for k, a in _tensor_args(node) if k not in spec.batched):
+            return None
+        a = reached[0]
+        if (ops.arg(node, "dropout_p") or 0.0) != 0.0 or any(ops.arg(node, name) for name in spec.off):
+            return None
+        if any(ops.arg(node, name) is not None for name in spec.none):
+            return None  # an attention bias or mask, or nested-tensor sequence offsets
+        operands = {}
+        for k, n in batched:
+            shape = static_shape(n)
+            want = heads_axis(a, ref, shape)
+            if want is None or not want.fits(shape) or (n in axes and axes[n] != want):
+                return None
+            operands[k] = PIECE if n in axes else want
+        return Step(node, a, operands)
+
+    def inputs(self, x, a, chain):
+        ref = static_shape(x.args[0])
+        ins = [(n, heads_axis(a, ref, static_shape(n))) for _, n in _batched_args(x)]
+        return ins if all(ia is not None for _, ia in ins) else None
+
+
+@rule(ops.WAIT)
+class _Wait(Rule):
+    def step(self, node, axes):
+        if static_shape(node) is None or node.args[0] not in axes:
+            return None
+        return Step(node, axes[node.args[0]], {0: PIECE})
+
+    def inputs(self, x, a, chain):
+        return [(x.args[0], a)]
+
+
+@rule(ops.ALL_TO_ALL)
+class _AllToAll(Rule):
+    """Even splits, with the peers' blocks whole around the axis (:func:`all_to_all_fits`)."""
+
+    def step(self, node, axes):
+        a = axes.get(node.args[0])
+        if static_shape(node) is None or a is None or not all_to_all_fits(node, a):
+            return None
+        return Step(node, a, {0: PIECE})
+
+    def inputs(self, x, a, chain):
+        return [(x.args[0], a)] if chain.admits(x) and all_to_all_fits(x, a) else None
+
+
+@rule(ops.ALL_GATHER, ops.REDUCE_SCATTER)
+class _GatherScatter(Rule):
+    """Dim 0 holds the ranks' blocks: an all-gather stacks them (the axis' outer factor grows
+    by the world size), a reduce-scatter keeps one (it must not cut a block)."""
+
+    def step(self, node, axes):
+        out, a = static_shape(node), axes.get(node.args[0])
+        if out is None or a is None:
+            return None
+        if (
+            node.target is ops.REDUCE_SCATTER
+            and a.dim == 0
+            and a.outer(static_shape(node.args[0])) % ops.world_size(node)
+        ):
+            return None
+        return Step(node, a, {0: PIECE}) if a.fits(out) else None
+
+    def inputs(self, x, a, chain):
+        return [(x.args[0], a)] if chain.admits(x) else None
+
+
+@rule(ops.aten.stack.default, ops.aten.cat.default)
+class _Concat(Rule):
+    """stack / cat of same-shaped region tensors with one axis (the per-expert loop stacks its
+    experts' outputs). Along the axis dim, the pieces' blocks stack (the axis' outer factor
+    grows): chunk c of the result is the pieces' chunks c (sequence parallelism's scatter layout)."""
+
+    def step(self, node, axes):
+        xs = node.args[0]
+        if static_shape(node) is None or not all(isinstance(x, Node) and x in axes for x in xs):
+            return None
+        a, shape = axes[xs[0]], static_shape(xs[0])
+        if shape is None or any(axes[x] != a or static_shape(x) != shape for x in xs):
+            return None
+        if node.target is ops.aten.stack.default:
+            d = _norm(_dim_arg(node, 1), len(shape) + 1)
+            return Step(node, Axis(a.dim + (d <= a.dim), a.extent, a.inner), {0: PIECE})
+        return Step(node, a, {0: PIECE})
+
+    def inputs(self, x, a, chain):
+        stack = x.target is ops.aten.stack.default
+        d = _norm(_dim_arg(x, 1), len(static_shape(x) or [0]))
+        if not all(isinstance(n, Node) for n in x.args[0]):
+            return None
+        if d == a.dim:  # a cat along the axis dim: each piece brings whole blocks of it
+            if stack or any(not a.fits(static_shape(n) or []) for n in x.args[0]):
+                return None
+            return [(n, a) for n in x.args[0]]
+        ia = Axis(a.dim - (stack and d < a.dim), a.extent, a.inner)
+        return [(n, ia) for n in x.args[0]]
+
+
+@rule(*ops.RESHAPES)
+class _Reshape(Rule):
+    """Where the factor stays whole (:func:`through_reshape`). view/reshape/_unsafe_view take
+    the chunk's new shape; squeeze/unsqueeze/flatten keep their dim arguments valid because
+    sizes, not ranks, change."""
+
+    SHAPED = (ops.aten.view.default, ops.aten._unsafe_view.default, ops.aten.reshape.default)
+
+    def step(self, node, axes):
+        got = _unary(node, axes)
+        if got is None:
+            return None
+        out, a = got
+        new = through_reshape(static_shape(node.args[0]), a, out)
+        if new is None:
+            return None
+        return Step(node, new, {0: PIECE}, (1, out) if node.target in self.SHAPED else None)
+
+    def inputs(self, x, a, chain):
+        sa = through_reshape(static_shape(x), a, static_shape(x.args[0]) or [])
+        return [(x.args[0], sa)] if sa is not None else None
+
+
+@rule(*ops.PERMUTES)
+class _Permute(Rule):
+    def step(self, node, axes):
+        got = _unary(node, axes)
+        if got is None:
+            return None
+        out, a = got
+        return Step(node, Axis(_perm(node, len(out)).index(a.dim), a.extent, a.inner), {0: PIECE})
+
+    def inputs(self, x, a, chain):
+        perm = _perm(x, len(static_shape(x)))
+        return [(x.args[0], Axis(perm[a.dim], a.extent, a.inner))]
+
+
+@rule(ops.aten.select.int)
+class _Select(Rule):
+    """Of another dim than the axis' (the axis dim shifts down past it)."""
+
+    def step(self, node, axes):
+        got = _unary(node, axes)
+        if got is None:
+            return None
+        out, a = got
+        d = _norm(node.args[1], len(out) + 1)
+        return None if d == a.dim else Step(node, Axis(a.dim - (d < a.dim), a.extent, a.inner), {0: PIECE})
+
+
+@rule(ops.aten.slice.Tensor)
+class _Slice(Rule):
+    """Of another dim than the axis', or of everything (DTensor's no-op slices)."""
+
+    def step(self, node, axes):
+        got = _unary(node, axes)
+        if got is None:
+            return None
+        out, a = got
+        d = _norm(node.args[1] if len(node.args) > 1 else 0, len(out))
+        return None if d == a.dim and not ops.is_full_slice(node) else Step(node, a, {0: PIECE})
+
+
+@rule(ops.aten.select_backward.default)
+class _SelectBackward(Rule):
+    def step(self, node, axes):
+        got = _unary(node, axes)
+        if got is None:
+            return None
+        out, a = got
+        d = _norm(node.args[2], len(out))
+        return Step(node, Axis(a.dim + (d <= a.dim), a.extent, a.inner), {0: PIECE}, (1, out))
+
+
+@rule(ops.aten.slice_backward.default)
+class _SliceBackward(Rule):
+    def step(self, node, axes):
+        got = _unary(node, axes)
+        if got is None:
+            return None
+        out, a = got
+        return None if _norm(node.args[2], len(out)) == a.dim else Step(node, a, {0: PIECE}, (1, out))
+
+
+@rule(ops.aten.expand.default)
+class _Expand(Rule):
+    """Along a dim it does not broadcast (GQA's repeated k/v heads)."""
+
+    def step(self, node, axes):
+        got = _unary(node, axes)
+        if got is None:
+            return None
+        out, a = got
+        src = static_shape(node.args[0])
+        if len(src) != len(out) or src[a.dim] != out[a.dim]:
+            return None
+        return Step(node, a, {0: PIECE}, (1, out))
+
+    def inputs(self, x, a, chain):
+        src, shape = static_shape(x.args[0]), static_shape(x)
+        return [(x.args[0], a)] if src is not None and len(src) == len(shape) and src[a.dim] == shape[a.dim] else None
+
+
+@rule(ops.aten.detach.default)
+class _Detach(Rule):
+    def step(self, node, axes):
+        got = _unary(node, axes)
+        return None if got is None else Step(node, got[1], {0: PIECE})
+
+
+@rule(ops.aten.sum.dim_IntList, ops.aten.mean.dim)
+class _Reduce(Rule):
+    """Over other dims: the axis dim shifts down past the reduced ones (unless kept). Over the
+    axis: a sum becomes per-chunk partials (a mean's would need rescaling)."""
+
+    def step(self, node, axes):
+        got = _unary(node, axes)
+        if got is None:
+            return None
+        a = got[1]
+        rank = len(static_shape(node.args[0]))
+        dims = [_norm(d, rank) for d in (node.args[1] or range(rank))]
+        keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        if a.dim in dims:
+            return Step(node, None, {0: PIECE}) if node.target is ops.aten.sum.dim_IntList else None
+        shift = 0 if keep else sum(d < a.dim for d in dims)
+        return Step(node, Axis(a.dim - shift, a.extent, a.inner), {0: PIECE})
+
+
+@rule(ops.aten.mm.default, when=ops.is_batched_matmul)
+class _Matmul(Rule):
     """mm (M,K)@(K,N) and bmm (B,M,K)@(B,K,N) (or a grouped matmul of that form): the output
     follows an axis on M, N or B (the other side narrowed along B too); an axis on K, on both
     sides, makes the output a sum of partial products."""
-    lhs, rhs = node.args[0], node.args[1]
-    if node.target is ops.LOOP_GROUPED_MM or static_shape(lhs) is None or static_shape(rhs) is None:
-        return None
-    bmm = ops.is_batched_matmul(node)
-    m, k, k2, n = (1, 2, 1, 2) if bmm else (0, 1, 0, 1)
-    la, ra = axes.get(lhs), axes.get(rhs)
-    if ops.is_grouped_mm(node):
-        # A grouped matmul is chunked by batch or rows only: CUDA's _grouped_mm needs 16-byte
-        # aligned operands, which a slice of columns (N) or of K at any offset need not be
-        # (slices of B or M start at a multiple of the row stride, which its checks align).
-        # A sum over K is fine in bf16/fp16: it runs whole, on operands rebuilt from the chunks.
-        v = ops.val(node)
-        whole = (
-            v is not None
-            and v.dtype in LOW_PRECISION
-            and ((la is not None and la.dim == k) or (ra is not None and ra.dim == k2))
-        )
-        if not (whole or (la is not None and la.dim in (0, m)) or (ra is not None and ra.dim == 0)):
+
+    def step(self, node, axes):
+        if _plain(node, axes) is None:
             return None
+        lhs, rhs = node.args[0], node.args[1]
+        if node.target is ops.LOOP_GROUPED_MM or static_shape(lhs) is None or static_shape(rhs) is None:
+            return None
+        bmm = ops.is_batched_matmul(node)
+        m, k, k2, n = (1, 2, 1, 2) if bmm else (0, 1, 0, 1)
+        la, ra = axes.get(lhs), axes.get(rhs)
+        if ops.is_grouped_mm(node):
+            # A grouped matmul is chunked by batch or rows only: CUDA's _grouped_mm needs 16-byte
+            # aligned operands, which a slice of columns (N) or of K at any offset need not be
+            # (slices of B or M start at a multiple of the row stride, which its checks align).
+            # A sum over K is fine in bf16/fp16: it runs whole, on operands rebuilt from the chunks.
+            v = ops.val(node)
+            whole = (
+                v is not None
+                and v.dtype in LOW_PRECISION
+                and ((la is not None and la.dim == k) or (ra is not None and ra.dim == k2))
+            )
+            if not (whole or (la is not None and la.dim in (0, m)) or (ra is not None and ra.dim == 0)):
+                return None
 
-    def shared(a: Axis, other_dim: int, other_axis: Axis | None):
-        want = Axis(other_dim, a.extent, a.inner)
-        if other_axis is None:
-            return want
-        return PIECE if other_axis == want else False
+        def shared(a: Axis, other_dim: int, other_axis: Axis | None):
+            want = Axis(other_dim, a.extent, a.inner)
+            if other_axis is None:
+                return want
+            return PIECE if other_axis == want else False
 
-    if la is not None:
-        if la.dim == m and ra is None:
-            return Step(node, la, {0: PIECE, 1: None})
-        if la.dim in (k, 0 if bmm else -1):
-            how = shared(la, k2 if la.dim == k else 0, ra)
+        if la is not None:
+            if la.dim == m and ra is None:
+                return Step(node, la, {0: PIECE, 1: None})
+            if la.dim in (k, 0 if bmm else -1):
+                how = shared(la, k2 if la.dim == k else 0, ra)
+                if how is False:
+                    return None
+                return Step(node, None if la.dim == k else la, {0: PIECE, 1: how})
+            return None
+        if ra.dim == n:
+            return Step(node, ra, {0: None, 1: PIECE})
+        if ra.dim in (k2, 0 if bmm else -1):
+            if bmm and ra.dim == 0:
+                return Step(node, ra, {0: Axis(0, ra.extent, ra.inner), 1: PIECE})
+            return Step(node, None, {0: Axis(k, ra.extent, ra.inner), 1: PIECE})
+        return None
+
+    def inputs(self, x, a, chain):
+        if x.target is ops.aten.mm.default:
+            return [(x.args[0], a)] if a.dim == 0 else [(x.args[1], a)]
+        if ops.is_grouped_mm(x) and a.dim == 2:
+            return None  # columns of a grouped matmul: see step
+        return {0: [(x.args[0], a), (x.args[1], a)], 1: [(x.args[0], a)], 2: [(x.args[1], a)]}[a.dim]
+
+
+@rule(when=ops.is_pointwise)
+class _Pointwise(Rule):
+    """Elementwise ops and layout identities: every operand is its chunk, or broadcasts over
+    the axis (a norm's (.., 1) scale: passed whole), or has the axis along other dims (narrowed)."""
+
+    def step(self, node, axes):
+        got = _plain(node, axes)
+        if got is None:
+            return None
+        out, reached = got
+        if node.target is ops.aten._to_copy.default and not ops.same_place_copy(node):
+            return None
+        full = [axes[n] for n in reached.values() if len(static_shape(n) or ()) == len(out)]
+        if not full or not full[0].fits(out):
+            return None
+        axis, operands = full[0], {}
+        for k, a in _tensor_args(node):
+            if a in axes:  # its chunk: of the output's axis, or of the dim that axis broadcasts from
+                sa = static_shape(a)
+                same = sa is not None and len(sa) == len(out) and sa[axis.dim] == out[axis.dim]
+                if axes[a] != (axis if same else _broadcast_treatment(a, out, axis)):
+                    return None
+                operands[k] = PIECE
+            else:
+                how = _broadcast_treatment(a, out, axis)
+                if how is False:
+                    return None
+                operands[k] = how
+        return Step(node, axis, operands)
+
+    def inputs(self, x, a, chain):
+        out = []
+        for _, n in _tensor_args(x):
+            how = _broadcast_treatment(n, static_shape(x), a)
             if how is False:
                 return None
-            return Step(node, None if la.dim == k else la, {0: PIECE, 1: how})
-        return None
-    if ra.dim == n:
-        return Step(node, ra, {0: None, 1: PIECE})
-    if ra.dim in (k2, 0 if bmm else -1):
-        if bmm and ra.dim == 0:
-            return Step(node, ra, {0: Axis(0, ra.extent, ra.inner), 1: PIECE})
-        return Step(node, None, {0: Axis(k, ra.extent, ra.inner), 1: PIECE})
-    return None
+            if how is not None:
+                out.append((n, how))
+        return out or None
 
 
 # ----------------------------------------------------------------------------- regions
@@ -526,7 +799,7 @@ class _Grower:
             shape = static_shape(x)
             if shape is None or not a.fits(shape):
                 return False
-        ins = _inputs_for(x, a, self.may_chain, self.kinds)
+        ins = inputs_for(x, a, self.may_chain, self.kinds)
         if ins:
             saved = self._save()
             if all(self.pull(i, ia) for i, ia in ins):
@@ -574,85 +847,6 @@ class _Grower:
             self.steps[node] = st
             if st.axis is not None:
                 self.axes[node] = st.axis
-
-
-def _inputs_for(x: Node, a: Axis, may_chain, kinds=(ops.ALL_TO_ALL,)) -> list[tuple[Node, Axis]] | None:
-    """The inputs of ``x`` and their axes from which ``x`` chunked along ``a`` can be
-    computed (None: none; ``x`` is then narrowed)."""
-    if x.op != "call_function":
-        return None
-    t = x.target
-    if t is operator.getitem:
-        src = x.args[0]
-        if isinstance(src, Node) and src.target in BATCHED:
-            sa = heads_axis(a, static_shape(x), static_shape(src.args[0]))
-            return [(src, sa)] if sa is not None else None
-        return [(src, a)] if isinstance(src, Node) and src.target in TUPLES else None
-    if t is ops.aten.split.Tensor:
-        d = _norm(x.args[2] if len(x.args) > 2 else x.kwargs.get("dim", 0), len(static_shape(x.args[0]) or [0]))
-        return [(x.args[0], a)] if d != a.dim else None
-    if t in BATCHED:
-        ref = static_shape(x.args[0])
-        ins = [(n, heads_axis(a, ref, static_shape(n))) for _, n in _batched_args(x)]
-        return ins if all(ia is not None for _, ia in ins) else None
-    if t in (ops.aten.stack.default, ops.aten.cat.default):
-        d = x.args[1] if len(x.args) > 1 else x.kwargs.get("dim", 0)
-        d = _norm(d, len(static_shape(x) or [0]))
-        if not all(isinstance(n, Node) for n in x.args[0]):
-            return None
-        if d == a.dim:  # a cat along the axis dim: each piece brings whole blocks of it
-            if t is ops.aten.stack.default or any(not a.fits(static_shape(n) or []) for n in x.args[0]):
-                return None
-            return [(n, a) for n in x.args[0]]
-        ia = Axis(a.dim - (t is ops.aten.stack.default and d < a.dim), a.extent, a.inner)
-        return [(n, ia) for n in x.args[0]]
-    shape = static_shape(x)
-    if t in ops.RESHAPES:
-        src = x.args[0]
-        sa = through_reshape(shape, a, static_shape(src) or [])
-        return [(src, sa)] if sa is not None else None
-    if t in ops.PERMUTES:
-        rank = len(shape)
-        perm = _perm(x, rank)
-        return [(x.args[0], Axis(perm[a.dim], a.extent, a.inner))]
-    if t is ops.aten.expand.default:  # along a dim it does not broadcast (GQA's repeated k/v heads)
-        src = static_shape(x.args[0])
-        return [(x.args[0], a)] if src is not None and len(src) == len(shape) and src[a.dim] == shape[a.dim] else None
-    if t is ops.WAIT:
-        return [(x.args[0], a)]
-    if t is ops.ALL_TO_ALL:
-        return [(x.args[0], a)] if t in kinds and may_chain(x) and all_to_all_fits(x, a) else None
-    if t in (ops.ALL_GATHER, ops.REDUCE_SCATTER):
-        return [(x.args[0], a)] if t in kinds and may_chain(x) else None
-    if t is ops.aten.mm.default:
-        return [(x.args[0], a)] if a.dim == 0 else [(x.args[1], a)]
-    if ops.is_batched_matmul(x):
-        if ops.is_grouped_mm(x) and a.dim == 2:
-            return None  # columns of a grouped matmul: see _matmul_step
-        return {0: [(x.args[0], a), (x.args[1], a)], 1: [(x.args[0], a)], 2: [(x.args[1], a)]}[a.dim]
-    if ops.is_pointwise(x):
-        out = []
-        for _, n in _tensor_args(x):
-            how = _broadcast_treatment(n, shape, a)
-            if how is False:
-                return None
-            if how is not None:
-                out.append((n, how))
-        return out or None
-    return None
-
-
-def _perm(node: Node, rank: int) -> list[int]:
-    """out dim j = in dim perm[j]."""
-    t = node.target
-    if t is ops.aten.t.default:
-        return [1, 0] if rank == 2 else [0]
-    if t is ops.aten.transpose.int:
-        d0, d1 = _norm(node.args[1], rank), _norm(node.args[2], rank)
-        perm = list(range(rank))
-        perm[d0], perm[d1] = d1, d0
-        return perm
-    return [_norm(d, rank) for d in node.args[1]]
 
 
 def _low_precision_sum(node: Node, st: Step) -> bool:

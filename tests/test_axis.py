@@ -70,3 +70,45 @@ def test_grouped_matmul_is_chunked_by_batch_or_rows_only(op):
     assert (step_of(node, {wn: Axis(2, 24)}) is not None) == (op == "bmm")  # columns
     # K on both sides: a sum over the axis, in bf16 run whole on rebuilt operands (allowed)
     assert step_of(node, {xn: Axis(2, 16), wn: Axis(1, 16)}) is not None
+
+
+TWO_WAY = {
+    "view": ((4, 48), lambda x: x.view(4, 8, 6)),
+    "permute": ((4, 6, 8), lambda x: x.permute(2, 0, 1)),
+    "transpose": ((4, 6), lambda x: x.t()),
+    "mm": ((8, 6), (6, 4), lambda x, w: x @ w),
+    "bmm": ((2, 8, 6), (2, 6, 4), lambda x, w: torch.bmm(x, w)),
+    "broadcast_mul": ((8, 6), (6,), lambda x, s: x * s),
+    "norm_scale": ((8, 6), (8, 1), lambda x, r: x * r),
+    "cat": ((4, 6), (4, 6), lambda x, y: torch.cat([x, y], 1)),
+    "cat_rows": ((4, 6), (4, 6), lambda x, y: torch.cat([x, y], 0)),
+    "stack": ((4, 6), (4, 6), lambda x, y: torch.stack([x, y], 1)),
+    "expand": ((4, 1, 6), lambda x: x.expand(4, 3, 6)),
+    "split": ((8, 6), lambda x: torch.split(x, 3, 1)[1]),
+    "cast": ((8, 6), lambda x: x.to(torch.float64)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TWO_WAY))
+def test_each_rule_answers_both_directions_alike(name):
+    """Each op's rule, asked upstream which input chunks give its output's chunk along an axis,
+    and then downstream what those chunks give, answers that same axis: a region pulled
+    through the op and one grown through it agree (the pull keeps only such answers)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from overlapc.passes.axis import inputs_for, static_shape, step_of
+
+    *shapes, fn = TWO_WAY[name]
+    gm = make_fx(fn, tracing_mode="fake")(*[torch.randn(s) for s in shapes])
+    answered = 0
+    for node in gm.graph.nodes:
+        shape = static_shape(node) if node.op == "call_function" else None
+        for d, size in enumerate(shape or []):
+            for a in (Axis(d, size), *([Axis(d, size // 2, 2)] if size % 2 == 0 and size > 2 else [])):
+                ins = inputs_for(node, a)
+                if ins is None:
+                    continue
+                st = step_of(node, dict(ins))
+                assert st is not None and st.axis == a, (node.format_node(), a, ins)
+                answered += 1
+    assert answered, f"no rule of {name} answered upstream"
