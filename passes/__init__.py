@@ -16,7 +16,7 @@ from .coalesce import coalesce_all_reduces
 from .deps import DepGraph
 from .lower import lower_sites
 from .match import find_sites
-from .microbatch import SLICED, choose_slices, report_rows, split_microbatches
+from .microbatch import slice_microbatches
 from .normalize import normalize
 from .plan import graph_profile, plan_sites
 from .schedule import legalize, schedule
@@ -28,40 +28,25 @@ def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None) -
     normalize(gm)
     merged = coalesce_all_reduces(gm.graph, graph_kind, options)
     profile = graph_profile(gm.graph, graph_kind, options)
-    slices, view = options.microbatches, None
-    if slices == "auto":
-        slices, view = choose_slices(gm.graph, graph_kind, options, profile)
-    cuts = report_rows(split_microbatches(gm.graph, slices), graph_kind, slices, view) if slices > 1 else []
-    sliced = any(r.status == "rewritten" for r in cuts)
-    if sliced:
-        legalize(gm.graph)
+    slicing = slice_microbatches(gm.graph, graph_kind, options, profile)
     deps = DepGraph(gm.graph)
     sites, loose = find_sites(gm.graph, graph_kind, deps)
     order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
     for s in sites:
         s.snapshot()
-    # Slices the planner chose are priced alone: the sites inside them stay whole.
-    held = [s for s in sites if view and sliced and s.coll.meta.get(SLICED)]
-    plan_sites([s for s in sites if s not in held], options, deps, profile)
-    for s in held:
-        s.skip(
-            "inside the micro-batch slices microbatches='auto' chose (priced as slices alone; "
-            "set microbatches to a number to chunk the sites inside them too)"
-        )
-    for s in sites:  # slices declined: why, on the sites they would have taken in
-        if view and "reason" in view and s.coll.name in view["collectives"]:
-            s.details["microbatches"] = view["reason"]
+    plan_sites(slicing.priced(sites), options, deps, profile)
+    slicing.settle(sites)
     rewritten = lower_sites(gm.graph, sites)
     if rewritten:
         legalize(gm.graph)
-    if (rewritten or sliced) and options.addmm_partials:
+    if (rewritten or slicing.sliced) and options.addmm_partials:
         fold_partial_sums(gm.graph)
     reordered = options.schedule and schedule(gm.graph, options.lanes)
     # Tells the inductor inner compiler to keep this order through its own scheduler.
-    gm.meta["overlapc_changed"] = bool(rewritten or reordered or sliced)
+    gm.meta["overlapc_changed"] = bool(rewritten or reordered or slicing.sliced)
     rows = [s.to_report() for s in sites] + [c.to_report() for c in loose]
     rows.sort(key=lambda r: order.get(r.collective, 0))
-    rows = cuts + merged + rows
+    rows = slicing.rows + merged + rows
     gm.graph.lint()
     gm.recompile()
     return rows

@@ -22,12 +22,15 @@ starts another region.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch.fx import Graph, Node
 
 from . import axis as ax
 from . import ops
 from .build import Builder, chunk_sizes
 from .lower import _erased
+from .schedule import legalize
 
 KINDS = (ops.ALL_GATHER, ops.REDUCE_SCATTER)
 SLICED = "overlapc_microbatch"
@@ -95,6 +98,53 @@ def split_microbatches(graph: Graph, n: int) -> list[dict]:
             passed.add(coll)
             info["failed"] = f"the sliced replay failed ({type(e).__name__}: {str(e)[:200]}); left unchanged"
         done.append(info)
+
+
+@dataclass
+class Slicing:
+    """What the micro-batch step did to one graph: its report rows, and ``view``, the cost
+    model's view of the choice ``microbatches="auto"`` made (None for a number, or no region)."""
+
+    rows: list
+    view: dict | None = None
+
+    @property
+    def sliced(self) -> bool:
+        return any(r.status == "rewritten" for r in self.rows)
+
+    def priced(self, sites: list) -> list:
+        """The sites the planner prices: not those inside slices "auto" chose, which were
+        priced as slices alone (a number of slices chunks the sites inside them too)."""
+        return [s for s in sites if not self._held(s)]
+
+    def settle(self, sites: list) -> None:
+        """After planning: skip the held sites, and note on the sites declined slices would
+        have taken in why they were declined."""
+        for s in sites:
+            if self._held(s):
+                s.skip(
+                    "inside the micro-batch slices microbatches='auto' chose (priced as slices alone; "
+                    "set microbatches to a number to chunk the sites inside them too)"
+                )
+            elif self.view and "reason" in self.view and s.coll.name in self.view["collectives"]:
+                s.details["microbatches"] = self.view["reason"]
+
+    def _held(self, site) -> bool:
+        return bool(self.view and self.sliced and site.coll.meta.get(SLICED))
+
+
+def slice_microbatches(graph: Graph, graph_kind: str, options, profile=None) -> Slicing:
+    """The micro-batch step of the pipeline: the number of slices (``options.microbatches``,
+    or :func:`choose_slices`' choice), the cut, and its report rows."""
+    n, view = options.microbatches, None
+    if n == "auto":
+        n, view = choose_slices(graph, graph_kind, options, profile)
+    if n <= 1:
+        return Slicing([], view)
+    slicing = Slicing(report_rows(split_microbatches(graph, n), graph_kind, n, view), view)
+    if slicing.sliced:
+        legalize(graph)
+    return slicing
 
 
 def choose_slices(graph: Graph, graph_kind: str, options, profile=None) -> tuple[int, dict | None]:
