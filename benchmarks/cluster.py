@@ -6,7 +6,7 @@ Communication then costs wall time at the configured rate without costing CPU, s
 overlapping it with compute shows up as real speedup. Requires root (``ip netns``).
 
     with EmulatedCluster(2, rate_mbit=400) as cluster:
-        world = cluster.world()          # an overlapc.world.World whose ranks run in the namespaces
+        world = cluster.world()          # an overlapc.testing.world.World whose ranks run in the namespaces
         cluster.set_rate(800)            # change every link's rate live
 
 Everything it creates is removed on exit, on error, on Ctrl-C and on SIGTERM. Names carry
@@ -132,7 +132,7 @@ class EmulatedCluster:
 
     # ------------------------------------------------------------------ ranks
     def world(self, **kw):
-        from overlapc.world import World
+        from overlapc.testing.world import World
 
         return World(
             self.world_size,

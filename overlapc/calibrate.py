@@ -469,7 +469,7 @@ def main(world_size: int, out: str | None, threads: int = 1) -> str:
 
     from overlapc.passes.cost import CACHE_DIR
 
-    from .world import World
+    from .testing.world import World
 
     with World(world_size, timeout=300, threads=threads) as w:
         prof = w.run(calibrate_job, threads)[0]

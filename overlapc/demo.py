@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     chunks = args.chunks if args.chunks == "auto" else int(args.chunks)
 
-    from overlapc.world import World, WorldError
+    from overlapc.testing.world import World, WorldError
 
     print(
         f"overlapc demo: {args.world_size} gloo ranks on CPU, Llama-style TP+SP model "

@@ -42,7 +42,7 @@ _WORLDS: dict[int, object] = {}
 
 
 def _world(n: int):
-    from overlapc.world import World
+    from overlapc.testing.world import World
 
     if n not in _WORLDS:
         _WORLDS[n] = World(n, timeout=float(os.environ.get("OVERLAPC_TEST_TIMEOUT", "600")))

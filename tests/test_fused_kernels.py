@@ -342,7 +342,7 @@ def skip_rendezvous(timeout: float):
 
 @pytest.fixture(scope="module")
 def fault_world():
-    from overlapc.world import World
+    from overlapc.testing.world import World
 
     w = World(2, timeout=120)
     yield w
@@ -353,7 +353,7 @@ def fault_world():
     "op,name", [("ag", "overlapc::fused_all_gather_matmul"), ("rs", "overlapc::fused_matmul_reduce_scatter")]
 )
 def test_dead_rank_fails_the_others_within_timeout(fault_world, op, name):
-    from overlapc.world import WorldError
+    from overlapc.testing.world import WorldError
 
     t0 = time.monotonic()
     with pytest.raises(WorldError) as e:
@@ -366,7 +366,7 @@ def test_dead_rank_fails_the_others_within_timeout(fault_world, op, name):
 
 
 def test_failed_rendezvous_leaves_no_segment(fault_world):
-    from overlapc.world import WorldError
+    from overlapc.testing.world import WorldError
 
     with pytest.raises(WorldError) as e:
         fault_world.run(skip_rendezvous, 3.0)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlapc.world import World, WorldError, WorldTimeout
+from overlapc.testing.world import World, WorldError, WorldTimeout
 
 
 def rank_sum(k):

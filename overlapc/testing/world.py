@@ -94,7 +94,7 @@ class World:
                 *(self.rank_prefix(rank) if self.rank_prefix else ()),
                 sys.executable,
                 "-m",
-                "overlapc.world",
+                "overlapc.testing.world",
                 sock,
                 str(rank),
                 str(self.world_size),

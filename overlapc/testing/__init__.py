@@ -1,0 +1,1 @@
+"""Process pools for tests, the demo, calibration and benchmarks: not part of the compiler's API."""
