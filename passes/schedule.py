@@ -195,7 +195,7 @@ SERIAL_OPS = (ops.ALL_GATHER,)
 # of different gloo algorithms must not be in flight at once: an all-gather beside
 # reduce-scatters (gloo runs those as all-reduces) over a shaped link hung in gloo's TCP
 # transport ("Timed out waiting ... for send operation to complete") in 2 of 6 two-minute
-# runs of benchmarks/gloo_stress.py, and aborted twice with a corrupted heap in the
+# runs of benchmarks/experiments/gloo_stress.py, and aborted twice with a corrupted heap in the
 # benchmark; reduce-scatters beside reduce-scatters did not fail (2 runs). One worker
 # thread would run them in issue order, so there this is not done (not measured: such a
 # group cannot be made through init_process_group). So on multi-threaded gloo groups a

@@ -5,7 +5,7 @@ reduce-scatters and all-reduces (passes/schedule.py says what failed), so on the
 an all-gather chunk waits for the reduce-scatter chunks before it. A lane is a separate
 gloo communicator (its own connections, tags and worker threads) over the same ranks: the
 schedule puts all-gathers on lanes, alternating, so an all-gather chunk and a reduce-scatter
-chunk, or two all-gathers, are on the wire together. benchmarks/gloo_stress.py ``lanes``
+chunk, or two all-gathers, are on the wire together. benchmarks/experiments/gloo_stress.py ``lanes``
 runs that mix over a shaped link.
 
 Lanes are made when a graph that uses them is compiled, after the ranks agreed on its plan

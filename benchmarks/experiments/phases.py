@@ -2,7 +2,7 @@
 chunks alone, micro-batch slices alone and the default (``microbatches="auto"``: the
 planner's choice per graph), on an emulated cluster, under a profile calibrated inside it.
 
-    sudo python -m benchmarks.phases --world 2 --rate 532 [--iters 9]
+    sudo python -m benchmarks.experiments.phases --world 2 --rate 532 [--iters 9]
 
 The step's two graphs are planned apart, so whether the planner picked right for each shows
 only per phase: a whole-step time mixes both. Every call is synchronous on CPU (gloo's waits
@@ -61,7 +61,7 @@ def phases_job(profile: str, iters: int) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.phases")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.experiments.phases")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--rate", type=float, default=532.0, help="link rate, Mbit/s")
     p.add_argument("--iters", type=int, default=9)

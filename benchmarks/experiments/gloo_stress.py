@@ -1,6 +1,6 @@
 """Stress gloo with functional collectives of two kinds in flight at once, over a shaped link.
 
-    sudo python -m benchmarks.gloo_stress ag_rs --seconds 120 [--rate 532] [--lanes 2]
+    sudo python -m benchmarks.experiments.gloo_stress ag_rs --seconds 120 [--rate 532] [--lanes 2]
 
 Each round issues what the row-chunked TP+SP forward issues around one MLP: an all-gather,
 four reduce-scatters with a GEMM after each, another all-gather while the reduce-scatters
@@ -77,7 +77,7 @@ def stress_job(kind: str, seconds: float, lanes: int = 0) -> tuple[int, int]:
 def main() -> int:
     from benchmarks.cluster import EmulatedCluster
 
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.gloo_stress")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.experiments.gloo_stress")
     ap.add_argument("kind", choices=["ag_rs", "ag_ag", "rs_rs"])
     ap.add_argument("--seconds", type=float, default=120.0)
     ap.add_argument("--rate", type=float, default=532.0, help="link rate, Mbit/s")

@@ -4,10 +4,10 @@ sites matching ``--sites`` held at fixed chunk counts (per-site overrides; the c
 still picks the axis that can honour the count, and everything else), under a profile
 calibrated inside the cluster first. Emulated cluster, interleaved rounds.
 
-    sudo python -m benchmarks.ab_chunks --model ulysses --world 2 --rate 658 --chunks auto 2 4
-    sudo python -m benchmarks.ab_chunks --model moe --world 2 --rate 388 --chunks auto 3 4 6
-    sudo python -m benchmarks.ab_chunks --model ulysses --world 4 --rate 266 --chunks 2 4 --off addmm_partials
-    sudo python -m benchmarks.ab_chunks --model dropless --world 4 --rate 140 --chunks auto 2 3 6
+    sudo python -m benchmarks.experiments.ab_chunks --model ulysses --world 2 --rate 658 --chunks auto 2 4
+    sudo python -m benchmarks.experiments.ab_chunks --model moe --world 2 --rate 388 --chunks auto 3 4 6
+    sudo python -m benchmarks.experiments.ab_chunks --model ulysses --world 4 --rate 266 --chunks 2 4 --off addmm_partials
+    sudo python -m benchmarks.experiments.ab_chunks --model dropless --world 4 --rate 140 --chunks auto 2 3 6
 
 Prints the median step times (ms), each variant's chunk counts and speedups, and the time
 it saves beside what the cost model predicts its rewritten sites save. A
@@ -119,7 +119,7 @@ def ab_job(
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.ab_chunks")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.experiments.ab_chunks")
     p.add_argument("--model", default="ulysses", choices=sorted(MODELS))
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--rate", type=float, default=658.0, help="link rate, Mbit/s")

@@ -3,7 +3,7 @@ built (dispatch chunks issued one at a time, each after the previous one arrived
 overlapc with every dispatch chunk issued at once (the scheduling edges of
 passes/all_to_all._one_at_a_time left out). Emulated cluster, interleaved rounds.
 
-    sudo python -m benchmarks.ab_moe --world 4 --rate 350 --mode train --chunks 2 4
+    sudo python -m benchmarks.experiments.ab_moe --world 4 --rate 350 --mode train --chunks 2 4
 
 Prints the median step times (ms) per chunk count. A measurement, not a test.
 """
@@ -56,7 +56,7 @@ def ab_job(mode: str, chunks, iters: int) -> dict:
 def main(argv=None):
     from benchmarks.cluster import EmulatedCluster
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks.ab_moe")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.experiments.ab_moe")
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--rate", type=float, default=350.0, help="link rate, Mbit/s")
     p.add_argument("--mode", default="train", choices=["train", "forward"])
