@@ -8,6 +8,7 @@ tests/test_models_distributed.py (the TP-only Llama).
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -55,31 +56,34 @@ def test_replicated_term_stays_outside(fake_mesh8):
     assert sum(ops.val(n.args[0]).numel() for n in ars) == 64
 
 
-def test_left_alone(fake_mesh8):
-    def used_elsewhere(a, b, w):
-        ya = _ar(a @ w)
-        return ya + _ar(b @ w), ya.relu()  # a's all-reduce is needed whole on its own
+def _used_elsewhere(a, b, w):
+    ya = _ar(a @ w)
+    return ya + _ar(b @ w), ya.relu()  # a's all-reduce is needed whole on its own
 
-    def twice(a, w):
-        y = _ar(a @ w)
-        return y + y
 
-    def cast(a, b, w):  # a cast between the wait and the sum changes the reduction's precision
-        return _ar(a @ w).float() + _ar(b @ w).float()
+def _twice(a, b, w):
+    y = _ar(a @ w)
+    return y + y
 
-    def broadcast(a, b, w):
-        return _ar(a @ w) + _ar((b @ w)[:1])
 
-    x, w = _x(8, 16), _x(16, 8)
-    for fn, args in [
-        (used_elsewhere, (x, x, w)),
-        (twice, (x, w)),
-        (cast, (x.bfloat16(), x.bfloat16(), w.bfloat16())),
-        (broadcast, (x, x, w)),
-    ]:
-        report, ars = _run(fn, *args)
-        assert not report.by(pattern="all_reduce_sum"), (fn.__name__, str(report))
-        assert len(ars) >= 2, fn.__name__
+def _cast(a, b, w):  # a cast between the wait and the sum changes the reduction's precision
+    return _ar(a @ w).float() + _ar(b @ w).float()
+
+
+def _broadcast(a, b, w):
+    return _ar(a @ w) + _ar((b @ w)[:1])
+
+
+@pytest.mark.parametrize(
+    "fn,dtype",
+    [(_used_elsewhere, torch.float32), (_twice, torch.float32), (_cast, torch.bfloat16), (_broadcast, torch.float32)],
+    ids=["used_elsewhere", "twice", "cast", "broadcast"],
+)
+def test_left_alone(fake_mesh8, fn, dtype):
+    x, w = _x(8, 16).to(dtype), _x(16, 8).to(dtype)
+    report, ars = _run(fn, x, x, w)
+    assert not report.by(pattern="all_reduce_sum"), str(report)
+    assert len(ars) >= 2
 
 
 def test_groups_and_dtypes_apart(fake_mesh8):
@@ -97,13 +101,17 @@ def test_groups_and_dtypes_apart(fake_mesh8):
     assert per_group == {dist.group.WORLD.group_name: 64, sub.group_name: 64}
 
 
-def test_strategy_none_reports(fake_mesh8):
+@pytest.mark.parametrize(
+    "options",
+    [{"strategy": "none"}, {"overrides": {"*:all_reduce_sum": {"strategy": "none"}}}],
+    ids=["strategy", "override"],
+)
+def test_strategy_none_reports(fake_mesh8, options):
     def fn(a, b, w):
         return _ar(a @ w) + _ar(b @ w)
 
     x, w = _x(8, 16), _x(16, 8)
-    for options in ({"strategy": "none"}, {"overrides": {"*:all_reduce_sum": {"strategy": "none"}}}):
-        report, ars = _run(fn, x, x, w, options=options)
-        (row,) = report.by(pattern="all_reduce_sum")
-        assert row.status == "found" and "strategy 'none'" in row.reason
-        assert len(ars) >= 2
+    report, ars = _run(fn, x, x, w, options=options)
+    (row,) = report.by(pattern="all_reduce_sum")
+    assert row.status == "found" and "strategy 'none'" in row.reason
+    assert len(ars) >= 2

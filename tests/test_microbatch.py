@@ -127,13 +127,13 @@ def test_microbatches_world4(world4):
     _check(world4.run(microbatch_job, CASES["slices-only"]), CASES["slices-only"])
 
 
-def test_microbatches_option_is_checked():
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_microbatches_option_is_checked(bad):
     from overlapc import Options
     from overlapc.errors import OverlapError
 
-    for bad in (0, -1, 1.5, True, "2"):
-        with pytest.raises(OverlapError, match="'microbatches' must be an int >= 1 .1: off. or \"auto\""):
-            Options(microbatches=bad)
+    with pytest.raises(OverlapError, match="'microbatches' must be an int >= 1 .1: off. or \"auto\""):
+        Options(microbatches=bad)
 
 
 def test_microbatches_auto_follows_the_cost_model(fake_mesh8):

@@ -280,15 +280,18 @@ def test_ulysses_gqa_one_region_per_graph(fake_mesh8, gqa):
         assert all(s.status == "rewritten" and s.details["chained_from"] == first.name for s in rest)
 
 
-def test_ulysses_config_errors():
-    from overlapc.models import ulysses
-
-    for kw, msg in (
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
         (dict(n_kv_heads=3), "n_kv_heads=3 does not divide n_heads=8"),
         (dict(gqa="mqa"), "gqa='mqa': expected 'repeat' or 'sdpa'"),
-    ):
-        with pytest.raises(ValueError, match=msg):
-            ulysses.UlyssesAttention(ulysses.UlyssesConfig(**kw))
+    ],
+)
+def test_ulysses_config_errors(kw, msg):
+    from overlapc.models import ulysses
+
+    with pytest.raises(ValueError, match=msg):
+        ulysses.UlyssesAttention(ulysses.UlyssesConfig(**kw))
 
 
 @pytest.mark.parametrize("kind", ["flash", "efficient", "cudnn"])
