@@ -6,7 +6,8 @@ calibrated inside the cluster first. Emulated cluster, interleaved rounds.
 
     sudo python -m benchmarks.experiments.ab_chunks --model ulysses --world 2 --rate 658 --chunks auto 2 4
     sudo python -m benchmarks.experiments.ab_chunks --model moe --world 2 --rate 388 --chunks auto 3 4 6
-    sudo python -m benchmarks.experiments.ab_chunks --model ulysses --world 4 --rate 266 --chunks 2 4 --off addmm_partials
+    sudo python -m benchmarks.experiments.ab_chunks --model ulysses --world 4 --rate 266 --chunks 2 4 \
+        --off addmm_partials
     sudo python -m benchmarks.experiments.ab_chunks --model dropless --world 4 --rate 140 --chunks auto 2 3 6
 
 Prints the median step times (ms), each variant's chunk counts and speedups, and the time
