@@ -239,6 +239,24 @@ def loaded_times(step, calls: list[dict], group, rounds: int) -> tuple[float, fl
 # ---------------------------------------------------------------------- timing
 
 
+def kernel_seconds(fn, reps: int) -> float:
+    """Median seconds of one call of ``fn``. On a GPU: device time between CUDA events over
+    back-to-back calls (``triton.testing.do_bench``, L2 flushed between calls), so the host's
+    launch cost -- larger for a Triton launch than for torch.mm -- is not charged to the
+    kernel. On the CPU: wall time of ``reps`` synchronous calls after an untimed one."""
+    if torch.cuda.is_available():
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=10, rep=max(20, 5 * reps), return_mode="median") / 1e3
+    fn()
+    ts = []
+    for _ in range(max(1, reps)):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
 def timed(fn) -> float:
     """Seconds ``fn`` takes on the slowest rank, starting together."""
     dist.barrier()

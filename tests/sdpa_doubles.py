@@ -10,7 +10,7 @@ overlapc chunks (output, logsumexp, gradients), the shapes of the ops' meta func
 that calls the ops directly traces, compiles and runs on the CPU: tests check that overlapc's
 regions carry these ops (the structure a GPU graph has) and that the chunked graph computes
 what the unchunked one does. Equal head counts only (no grouped-query attention). They say
-nothing about the CUDA kernels' own numerics (scripts/gpu_check.sh's ulysses stage runs those).
+nothing about the CUDA kernels' own numerics (the ulysses stage of tests/gpu/checks.py runs those).
 """
 
 from __future__ import annotations

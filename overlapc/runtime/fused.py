@@ -86,8 +86,9 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-class _Watchdog:
-    """Raises the abort word of ``ws`` (this rank) when ``timeout`` seconds pass."""
+class Watchdog:
+    """Raises the abort word of ``ws`` (this rank) when ``timeout`` seconds pass, unless
+    ``stop`` comes first; ``fired`` says whether it did. Each fused call runs one."""
 
     def __init__(self, ws: symm.SymmetricMemory, timeout: float):
         self.fired = False
@@ -105,7 +106,7 @@ class _Watchdog:
         self._t.cancel()
 
 
-def _finish(ws: symm.SymmetricMemory, dog: _Watchdog, op: str, epoch: int, missing) -> None:
+def _finish(ws: symm.SymmetricMemory, dog: Watchdog, op: str, epoch: int, missing) -> None:
     """After the kernels: raise if the call was aborted (by this rank's watchdog or a peer)."""
     dog.stop()
     if not int(ws.abort_word()[0]):
@@ -117,6 +118,21 @@ def _finish(ws: symm.SymmetricMemory, dog: _Watchdog, op: str, epoch: int, missi
 
 
 _TUNED: dict[tuple, dict] = {}  # (kernel, M, N, K, dtype, device type) -> block sizes
+_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+
+
+def pin_config(kind: str, M: int, N: int, K: int, dtype: torch.dtype, device, cfg: dict) -> None:
+    """Launch kernel ``kind`` with block sizes ``cfg`` (a ``kernels.gemm.configs`` entry) on an
+    M x N x K problem instead of timing the candidates on its first call. ``kind`` "ag": the AG
+    consumer, M = the gathered rows; "rs": the RS producer, M = the rows each rank owns. For
+    checks of the ops' handshake: the tuner times local scratch only, and for "rs" it adds
+    an all-reduce of the ranks' times. Where ``configs`` offers one candidate, that one runs."""
+    if kind not in ("ag", "rs"):
+        raise ValueError(f"pin_config: kind must be 'ag' or 'rs', got {kind!r}")
+    missing = [k for k in _CONFIG_KEYS if k not in cfg]
+    if missing:
+        raise ValueError(f"pin_config: cfg lacks {missing} (it needs {list(_CONFIG_KEYS)})")
+    _TUNED[(kind, M, N, K, dtype, torch.device(device).type)] = dict(cfg)
 
 
 def _launch_config(kind: str, M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, group=None):
@@ -255,7 +271,7 @@ def all_gather_matmul(
     esize = a.element_size()
     ws = symm.workspace(group, world * M_L * K * esize, world * chunks, a.device, timeout)
     epoch = ws.next_epoch()
-    dog = _Watchdog(ws, timeout)
+    dog = Watchdog(ws, timeout)
     shard = a.contiguous().view(M_L, K)
 
     # Copy engine: rank-rotated peers, chunk-major (every peer's chunk 0 goes out first). On a
@@ -376,7 +392,7 @@ def matmul_reduce_scatter(
     cfg, interpret, tiles = _launch_config("rs", M_O, N, K, a.dtype, a.device, group)
     ws = symm.workspace(group, world * M_O * N * a.element_size(), world * tiles, a.device, timeout)
     epoch = ws.next_epoch()
-    dog = _Watchdog(ws, timeout)
+    dog = Watchdog(ws, timeout)
     try:
         ws.wait_done(epoch, dog.deadline, op)  # peers have read the previous call out of their buffers
     except OverlapError:

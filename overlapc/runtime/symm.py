@@ -33,7 +33,7 @@ Backends:
   memory: they run on a copy engine, so they land even while a spinning kernel holds every
   SM (a fill kernel would queue behind it). The copy engine and the watchdog work on their
   own streams (``SymmetricMemory.on``). Run on one H100 as a one-rank group only
-  (benchmarks/gpu_check.py --stage workspace: host-raised flags landed in a spinning grid;
+  (tests/gpu/checks.py's workspace stage: host-raised flags landed in a spinning grid;
   the abort did not end one, which the kernels' atomic read of the abort word is meant to
   fix, unverified there; docs/fused_kernels.md). No multi-GPU world has run it: the CPU tests
   run the same assembly through a stand-in for torch's handle.
