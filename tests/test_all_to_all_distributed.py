@@ -180,7 +180,10 @@ def test_moe_matches_eager(world_name, request):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world_name", ["world2", "world4"])
+@pytest.mark.parametrize(
+    "world_name",
+    ["world2", pytest.param("world4", marks=pytest.mark.extended)],  # index dispatch runs world 4 by default
+)
 def test_moe_einsum_dispatch_matches_eager(world_name, request):
     world = request.getfixturevalue(world_name)
     for chunks in EINSUM_CHUNKS[world_name]:
