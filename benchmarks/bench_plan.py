@@ -3,7 +3,7 @@
     sudo python -m benchmarks.bench_plan [--world-sizes 2 4] [--rates 1000 3000] [--iters 7]
     python -m benchmarks.bench_plan --rescore benchmarks/results/plan.json [older plan.json ...]
 
-For each world size and link rate it builds an emulated cluster (benchmarks/cluster.py),
+For each world size and link rate it builds an emulated cluster (overlapc/testing/cluster.py),
 runs ``overlapc calibrate`` inside it (the profile of *that* cluster: GEMM rates, link
 alpha/beta, reduce-scatter factor), then for each single-site program (AllGather -> mm and
 mm -> ReduceScatter, fp32, several shapes) and for an MoE layer's forward (an all-to-all
@@ -122,7 +122,7 @@ def _rounds(step, iters: int, budget_s: float = 1.5, most: int = 31) -> int:
 
 
 def run(args) -> list[dict]:
-    from benchmarks.cluster import EmulatedCluster
+    from overlapc.testing.cluster import EmulatedCluster
 
     rows = []
     EmulatedCluster.cleanup_stale()

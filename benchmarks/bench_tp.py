@@ -4,7 +4,7 @@
                                        [--iters 7] [--modes train forward] [--dim 1024 ...]
 
 For each world size and mode (full training step, forward only) it builds an emulated
-cluster (benchmarks/cluster.py), sets the link rate so that communication takes about as
+cluster (overlapc/testing/cluster.py), sets the link rate so that communication takes about as
 long as compute (``--rate auto``: measured, in the same run), then times, interleaved,
 the baseline, overlapc and compute alone, and replays the step's collectives alone. It
 writes benchmarks/results/tp_sp.json, a table in BENCHMARKS.md and a timeline PNG of one

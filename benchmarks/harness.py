@@ -272,7 +272,7 @@ def run_calibrated(world_size: int, rate: float, job, *args) -> tuple[object, di
     """``job(profile_path, *args)`` on every rank of an emulated cluster of ``world_size``
     ranks at ``rate`` Mbit/s, under a profile calibrated inside it first: rank 0's result,
     and the profile."""
-    from benchmarks.cluster import EmulatedCluster
+    from overlapc.testing.cluster import EmulatedCluster
 
     EmulatedCluster.cleanup_stale()
     with EmulatedCluster(world_size, rate_mbit=rate) as cluster:
@@ -315,7 +315,7 @@ def parse_variants(specs) -> dict[str, dict]:
 def run(bench: Bench, model: dict, args, **cfg_extra) -> list[dict]:
     """Every (world, mode) of ``args`` in its own cluster; ``cfg_extra`` goes to bench_job
     (phases=True: forward and backward apart; exposure=True: labelled waits)."""
-    from benchmarks.cluster import EmulatedCluster
+    from overlapc.testing.cluster import EmulatedCluster
 
     rows = []
     extra = parse_variants(args.variant)  # a wrong option fails here, before any cluster is built

@@ -54,7 +54,7 @@ def ab_job(mode: str, chunks, iters: int) -> dict:
 
 
 def main(argv=None):
-    from benchmarks.cluster import EmulatedCluster
+    from overlapc.testing.cluster import EmulatedCluster
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.experiments.ab_moe")
     p.add_argument("--world", type=int, default=4)

@@ -75,7 +75,7 @@ def stress_job(kind: str, seconds: float, lanes: int = 0) -> tuple[int, int]:
 
 
 def main() -> int:
-    from benchmarks.cluster import EmulatedCluster
+    from overlapc.testing.cluster import EmulatedCluster
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.experiments.gloo_stress")
     ap.add_argument("kind", choices=["ag_rs", "ag_ag", "rs_rs"])

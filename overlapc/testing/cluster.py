@@ -143,6 +143,6 @@ class EmulatedCluster:
 
 
 if __name__ == "__main__":
-    # python benchmarks/cluster.py cleanup   -- remove namespaces of killed runs
+    # python -m overlapc.testing.cluster cleanup   -- remove namespaces of killed runs
     if sys.argv[1:] == ["cleanup"]:
         EmulatedCluster.cleanup_stale()
