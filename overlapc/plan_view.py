@@ -16,7 +16,9 @@ from .report import Report
 
 
 def _rows(report: Report):
-    return [s for s in report.sites if s.details.get("predicted")]
+    """Sites with a per-site prediction. A micro-batch row's prediction prices its slices as a
+    whole (no stages of one site): it is not drawn, and the sites inside it show as skipped."""
+    return [s for s in report.sites if s.details.get("predicted") and s.pattern != "microbatch"]
 
 
 def _ms(x: float) -> str:

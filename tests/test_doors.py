@@ -281,3 +281,18 @@ def test_cli_calibrate_needs_a_world():
     )
     assert p.returncode == 2, p.stderr
     assert "--world-size" in p.stderr and "torchrun" in p.stderr, p.stderr
+
+
+def test_demo_without_root_draws_the_planned_timeline(tmp_path, own_fake_world, capsys):
+    """make demo's second half where no link can be emulated: the planner's timeline of the
+    wire-bound block at 100 Mbit/s, as Chrome trace JSON and a PNG it names; at that rate the
+    planner rewrites sites (a timeline without them would show nothing overlapc does)."""
+    import re
+
+    from overlapc import demo
+
+    written = demo.show_predicted(str(tmp_path / "d.png"))
+    assert [os.path.basename(p) for p in written] == ["d.json", "d.png"]
+    assert all(os.path.getsize(p) > 0 for p in written)
+    rewritten = int(re.search(r"(\d+) sites rewritten", capsys.readouterr().out).group(1))
+    assert rewritten > 0
