@@ -327,6 +327,18 @@ def _perm(node: Node, rank: int) -> list[int]:
     return [_norm(d, rank) for d in node.args[1]]
 
 
+class _Unary(Rule):
+    """An op whose first operand is the only one in the region: ``chunked`` gets the output's
+    static shape and that operand's axis."""
+
+    def step(self, node, axes):
+        got = _unary(node, axes)
+        return None if got is None else self.chunked(node, *got)
+
+    def chunked(self, node: Node, out: list[int], a: Axis) -> Step | None:
+        return None
+
+
 @rule(operator.getitem)
 class _Item(Rule):
     """An item of a tuple (split, attention): it carries its op's axis."""
@@ -482,18 +494,14 @@ class _Concat(Rule):
 
 
 @rule(*ops.RESHAPES)
-class _Reshape(Rule):
+class _Reshape(_Unary):
     """Where the factor stays whole (:func:`through_reshape`). view/reshape/_unsafe_view take
     the chunk's new shape; squeeze/unsqueeze/flatten keep their dim arguments valid because
     sizes, not ranks, change."""
 
     SHAPED = (ops.aten.view.default, ops.aten._unsafe_view.default, ops.aten.reshape.default)
 
-    def step(self, node, axes):
-        got = _unary(node, axes)
-        if got is None:
-            return None
-        out, a = got
+    def chunked(self, node, out, a):
         new = through_reshape(static_shape(node.args[0]), a, out)
         if new is None:
             return None
@@ -505,12 +513,8 @@ class _Reshape(Rule):
 
 
 @rule(*ops.PERMUTES)
-class _Permute(Rule):
-    def step(self, node, axes):
-        got = _unary(node, axes)
-        if got is None:
-            return None
-        out, a = got
+class _Permute(_Unary):
+    def chunked(self, node, out, a):
         return Step(node, Axis(_perm(node, len(out)).index(a.dim), a.extent, a.inner), {0: PIECE})
 
     def inputs(self, x, a, chain):
@@ -519,61 +523,41 @@ class _Permute(Rule):
 
 
 @rule(ops.aten.select.int)
-class _Select(Rule):
+class _Select(_Unary):
     """Of another dim than the axis' (the axis dim shifts down past it)."""
 
-    def step(self, node, axes):
-        got = _unary(node, axes)
-        if got is None:
-            return None
-        out, a = got
+    def chunked(self, node, out, a):
         d = _norm(node.args[1], len(out) + 1)
         return None if d == a.dim else Step(node, Axis(a.dim - (d < a.dim), a.extent, a.inner), {0: PIECE})
 
 
 @rule(ops.aten.slice.Tensor)
-class _Slice(Rule):
+class _Slice(_Unary):
     """Of another dim than the axis', or of everything (DTensor's no-op slices)."""
 
-    def step(self, node, axes):
-        got = _unary(node, axes)
-        if got is None:
-            return None
-        out, a = got
+    def chunked(self, node, out, a):
         d = _norm(node.args[1] if len(node.args) > 1 else 0, len(out))
         return None if d == a.dim and not ops.is_full_slice(node) else Step(node, a, {0: PIECE})
 
 
 @rule(ops.aten.select_backward.default)
-class _SelectBackward(Rule):
-    def step(self, node, axes):
-        got = _unary(node, axes)
-        if got is None:
-            return None
-        out, a = got
+class _SelectBackward(_Unary):
+    def chunked(self, node, out, a):
         d = _norm(node.args[2], len(out))
         return Step(node, Axis(a.dim + (d <= a.dim), a.extent, a.inner), {0: PIECE}, (1, out))
 
 
 @rule(ops.aten.slice_backward.default)
-class _SliceBackward(Rule):
-    def step(self, node, axes):
-        got = _unary(node, axes)
-        if got is None:
-            return None
-        out, a = got
+class _SliceBackward(_Unary):
+    def chunked(self, node, out, a):
         return None if _norm(node.args[2], len(out)) == a.dim else Step(node, a, {0: PIECE}, (1, out))
 
 
 @rule(ops.aten.expand.default)
-class _Expand(Rule):
+class _Expand(_Unary):
     """Along a dim it does not broadcast (GQA's repeated k/v heads)."""
 
-    def step(self, node, axes):
-        got = _unary(node, axes)
-        if got is None:
-            return None
-        out, a = got
+    def chunked(self, node, out, a):
         src = static_shape(node.args[0])
         if len(src) != len(out) or src[a.dim] != out[a.dim]:
             return None
@@ -585,22 +569,17 @@ class _Expand(Rule):
 
 
 @rule(ops.aten.detach.default)
-class _Detach(Rule):
-    def step(self, node, axes):
-        got = _unary(node, axes)
-        return None if got is None else Step(node, got[1], {0: PIECE})
+class _Detach(_Unary):
+    def chunked(self, node, out, a):
+        return Step(node, a, {0: PIECE})
 
 
 @rule(ops.aten.sum.dim_IntList, ops.aten.mean.dim)
-class _Reduce(Rule):
+class _Reduce(_Unary):
     """Over other dims: the axis dim shifts down past the reduced ones (unless kept). Over the
     axis: a sum becomes per-chunk partials (a mean's would need rescaling)."""
 
-    def step(self, node, axes):
-        got = _unary(node, axes)
-        if got is None:
-            return None
-        a = got[1]
+    def chunked(self, node, out, a):
         rank = len(static_shape(node.args[0]))
         dims = [_norm(d, rank) for d in (node.args[1] or range(rank))]
         keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)

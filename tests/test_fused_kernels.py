@@ -487,27 +487,32 @@ def test_auto_fuses_where_the_model_says_it_pays(fake_mesh8, tmp_path):
     assert all(s.strategy != "fuse" for s in plan("cpu-default").values())
 
 
+def _smoke(module: str, tmp_path, timeout: float) -> dict:
+    """``python -m module --smoke --out FILE`` from the repository root: its JSON."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "smoke.json"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run(
+        [sys.executable, "-m", module, "--smoke", "--out", str(out)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 def test_gpu_checks_smoke_runs_every_stage(tmp_path):
     """tests/gpu/checks.py is the check of the kernels on a GPU, run when a device is lent
     (tests/gpu, scripts/gpu_check.sh): its every stage (the kernels on emulated peers, the
     workspace handshake and abort, the fused ops between processes, grouped_mm, Ulysses) must
     still run, here on the CPU under the interpreter with tiny shapes, so a lent device is not
     spent on a broken check."""
-    import json
-    import subprocess
-    import sys
-
-    out = tmp_path / "checks.json"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.run(
-        [sys.executable, "-m", "tests.gpu.checks", "--smoke", "--out", str(out)],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    st = json.loads(out.read_text())["stages"]
+    st = _smoke("tests.gpu.checks", tmp_path, 180)["stages"]
     assert list(st) == ["workspace", "pipe", "ag", "rs", "ops", "grouped", "ulysses"]
     assert all(res["problems"] == [] for res in st.values()), st
     w = st["workspace"]
@@ -525,21 +530,7 @@ def test_gpu_checks_smoke_runs_every_stage(tmp_path):
 def test_fused_rates_smoke(tmp_path):
     """benchmarks/bench_fused_rates.py, run on a lent GPU, still runs every measurement: here on
     the CPU under the interpreter with tiny shapes."""
-    import json
-    import subprocess
-    import sys
-
-    out = tmp_path / "rates.json"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_fused_rates", "--smoke", "--out", str(out)],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res = _smoke("benchmarks.bench_fused_rates", tmp_path, 120)
     assert res["errors"] == []
     assert sorted(r["kernel"] for r in res["rows"]) == ["ag_gemm", "ag_gemm+producer", "gemm_rs"]
     assert all(r["tflops_fused"] > 0 and r["tflops_mm"] > 0 for r in res["rows"]), res["rows"]
