@@ -248,13 +248,9 @@ def kernel_seconds(fn, reps: int) -> float:
         from triton.testing import do_bench
 
         return do_bench(fn, warmup=10, rep=max(20, 5 * reps), return_mode="median") / 1e3
-    fn()
-    ts = []
-    for _ in range(max(1, reps)):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    from overlapc.calibrate import median_seconds
+
+    return median_seconds(fn, max(1, reps))
 
 
 def timed(fn) -> float:

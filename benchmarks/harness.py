@@ -139,7 +139,7 @@ def bench_job(cfg: dict) -> dict:
     # Compile, warm up, and let option adapt settle: a graph it races runs the planned and the
     # captured program alternately for 2 * (1 + adapt) calls before it keeps one; timing those
     # calls would time a mix of the two, not what a training job runs from then on.
-    settle = 2 + 2 * (adapt.WARMUP + max((be.options.adapt for _, _, be, _ in variants.values()), default=0))
+    settle = adapt.settle_calls(max((be.options.adapt for _, _, be, _ in variants.values()), default=0))
     for s in steps.values():
         for _ in range(settle):
             s()

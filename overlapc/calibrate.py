@@ -50,7 +50,8 @@ RS_BIG = 32 << 20  # input bytes of the large reduce-scatter (the excess over th
 STREAM_BYTES = 8 << 20  # a curve point's back-to-back run moves at least this much (gathered / sent)
 
 
-def _median(fn, reps: int) -> float:
+def median_seconds(fn, reps: int) -> float:
+    """Median wall seconds of ``reps`` synchronous calls of ``fn``, after an untimed one."""
     fn()
     ts = []
     for _ in range(reps):
@@ -272,7 +273,7 @@ def _measure_gemm(dtype, reps: int) -> tuple[dict, list]:
     for m, n, k in GEMM_SIZES:
         a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
         flops.append(2 * m * n * k)
-        times.append(_median(lambda: torch.mm(a, b), reps))
+        times.append(median_seconds(lambda: torch.mm(a, b), reps))
 
     def fit(half_rows):  # (rate, half_flops) of the times without the rows term
         icpt, slope = _fit(flops, [t / (1 + half_rows / m) for t, (m, _, _) in zip(times, GEMM_SIZES)])
@@ -386,7 +387,7 @@ def _measure_overlap(link: dict, group, world: int, reps: int):
     interleaved round by round (transfer alone, GEMMs alone, both), so that drift and the
     other ranks' load hit all three alike (docs/cost_model.md#measurements-behind-calibration)."""
     a, b = torch.randn(512, 1024), torch.randn(1024, 1024)
-    t_mm = _median(lambda: torch.mm(a, b), reps)
+    t_mm = median_seconds(lambda: torch.mm(a, b), reps)
     big = torch.empty(COMM_BYTES[-1] // 4)
     big_out, rs_in = torch.empty(world * big.numel()), torch.empty(world * big.numel())
 
@@ -428,8 +429,8 @@ def _measure_local(reps: int) -> dict:
     dst = torch.empty_like(src)
     fresh_bw = _fresh_bw(reps)
     return {
-        "chunk_overhead_us": 6 * _median(lambda: torch.mm(tiny, tiny), reps) * 1e6,
-        "copy_gbps": src.numel() * 4 / _median(lambda: dst.copy_(src), reps) / 1e9,
+        "chunk_overhead_us": 6 * median_seconds(lambda: torch.mm(tiny, tiny), reps) * 1e6,
+        "copy_gbps": src.numel() * 4 / median_seconds(lambda: dst.copy_(src), reps) / 1e9,
         "fresh_alloc": {"bytes": FRESH_BYTES, "gbps": round(fresh_bw / 1e9, 3)} if fresh_bw else None,
     }
 

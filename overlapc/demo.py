@@ -106,7 +106,7 @@ def timing_job(steps: int) -> dict:
         return time.perf_counter() - t0
 
     for name in runs:
-        for _ in range(2 + 2 * (adapt.WARMUP + overlapc.Options().adapt)):
+        for _ in range(adapt.settle_calls(overlapc.Options().adapt)):
             step(name)
     times = {name: [] for name in runs}
     for i in range(steps):

@@ -28,6 +28,13 @@ WARMUP = 1
 """Calls of each program before timing: the first call allocates, connects and autotunes."""
 
 
+def settle_calls(adapt: int) -> int:
+    """Calls of a compiled model after which every graph that option ``adapt`` races has kept
+    its program: the compiling call, both programs' warm-up and timed calls, and one spare.
+    Timing earlier calls would time a mix of the two programs."""
+    return 2 + 2 * (WARMUP + adapt)
+
+
 class Adaptive:
     """A boxed callable (one list of inputs) over two compiled variants of one graph."""
 

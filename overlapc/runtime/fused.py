@@ -224,9 +224,9 @@ def _autotune(kind: str, cands: list[dict], M: int, N: int, K: int, dtype, devic
                 **cfg,
             )
 
-    from overlapc.calibrate import _median
+    from overlapc.calibrate import median_seconds
 
-    times = [_median(lambda c=cfg, n=n: (launch(c, n), sync()), 3) for cfg, n in zip(cands, tiles)]
+    times = [median_seconds(lambda c=cfg, n=n: (launch(c, n), sync()), 3) for cfg, n in zip(cands, tiles)]
     if kind == "rs" and world > 1:
         t = funcol.all_reduce(torch.tensor(times, dtype=torch.float64, device=device), "sum", group)
         times = (funcol.wait_tensor(t) if isinstance(t, funcol.AsyncCollectiveTensor) else t).tolist()
