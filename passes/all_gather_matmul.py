@@ -33,7 +33,7 @@ from .normalize import (
     remove_dead_nodes,
     split_cat_gather,
 )
-from .rows import ROW_CHUNKS, RowChunks, local_row_chunks, row_layout, static_shape
+from .rows import ROW_CHUNKS, ROW_MATMULS, RowChunks, local_row_chunks, row_layout, static_shape
 from .sites import ConsumerSite, Loose
 
 
@@ -137,14 +137,17 @@ def _op_name(n: Node) -> str:
 
 
 def row_uses(site: AllGatherMatmulSite) -> list[Use]:
-    """Consumers whose output rows follow the gathered rows: mm/addmm on a reshape of the
-    gathered tensor that keeps its last dim as the contraction dim."""
+    """Consumers whose output rows follow the gathered rows: mm/addmm, or _scaled_mm with a
+    tensorwise scale, on a reshape of the gathered tensor that keeps its last dim as the
+    contraction dim."""
     gshape = static_shape(site.gathered)
     out = []
     for u in site.uses:
-        if u.side != "lhs" or u.role != "rows" or u.matmul.target not in (ops.aten.mm.default, ops.aten.addmm.default):
+        if u.side != "lhs" or u.role != "rows" or u.matmul.target not in ROW_MATMULS:
             continue
-        if not all(p.target in ops.RESHAPES or p.target in ops.IDENTITIES or ops.is_full_slice(p) for p in u.path):
+        if ops.is_scaled_rowwise(u.matmul):
+            continue  # rowwise scales of gathered rows: see can_rewrite
+        if not all(p.target in ops.RESHAPES or ops.is_identity(p) or ops.is_full_slice(p) for p in u.path):
             continue
         operand = static_shape(u.matmul.args[u.arg])
         if gshape is None or operand is None or len(operand) != 2 or operand[-1] != gshape[-1]:
@@ -166,6 +169,12 @@ def can_rewrite(site: AllGatherMatmulSite, deps: DepGraph) -> str | None:
     if chunk_extent(site) < 2:
         return "the shard has a single row: too small to chunk"
     if not row_uses(site):
+        scaled = [u.matmul.name for u in site.uses if ops.is_scaled_rowwise(u.matmul)]
+        if scaled:
+            return (
+                f"{', '.join(scaled)} scales the gathered rows rowwise: chunks of those scales are not "
+                "sliced yet (fp8 gathered with a tensorwise scale is a site)"
+            )
         roles = ", ".join(f"{k}={v}" for k, v in site.details.get("roles", {}).items())
         return f"no matmul consumes gathered rows through reshapes only ({roles})"
     return None

@@ -102,7 +102,7 @@ def map_dims(node: Node, dims: Dims | None) -> Dims | None:
     if dims is None:
         return None
     t = node.target
-    if t in ops.IDENTITIES or ops.is_full_slice(node):
+    if ops.is_identity(node) or ops.is_full_slice(node):
         return dims
     src, dst = ops.shape(node.args[0]), ops.shape(node)
     if t in ops.RESHAPES:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -41,6 +42,10 @@ MATMULS = {
     aten.bmm.default: (0, 1),
     aten.baddbmm.default: (1, 2),
 }
+SCALED_MM = aten._scaled_mm.default
+MATMULS[SCALED_MM] = (0, 1)
+"""FP8 GEMMs as torchao lowers them: _scaled_mm(a, b, scale_a, scale_b, ...), the scales
+tensorwise (one number) or rowwise (scale_a (M, 1), scale_b (1, N)). See scaled_rows."""
 GROUPED_MM = aten._grouped_mm.default if hasattr(aten, "_grouped_mm") else None
 if GROUPED_MM is not None:
     MATMULS[GROUPED_MM] = (0, 1)
@@ -69,6 +74,8 @@ IDENTITIES = {
     aten._to_copy.default,
     prims.convert_element_type.default,
     aten.contiguous.default,
+    aten.detach.default,  # AOT detaches the output of a bitcast (a view autograd cannot see through)
+    aten.view.dtype,  # a bitcast between dtypes of one width (gloo gathers fp8 as uint8): see is_identity
 }
 LAYOUT_OPS = RESHAPES | PERMUTES | IDENTITIES
 
@@ -77,7 +84,34 @@ def is_pointwise(node: Node) -> bool:
     """An elementwise op (torch's pointwise tag) or a layout identity (clone, cast): a chunk
     of its inputs gives the same chunk of its output."""
     tags = getattr(node.target, "tags", ())
-    return node.op == "call_function" and (torch.Tag.pointwise in tags or node.target in IDENTITIES)
+    return node.op == "call_function" and (torch.Tag.pointwise in tags or is_identity(node))
+
+
+def is_identity(node: Node) -> bool:
+    """A layout identity: same elements, same shape (a clone, a cast, a bitcast of one width)."""
+    if node.op != "call_function" or node.target not in IDENTITIES:
+        return False
+    if node.target is aten.view.dtype:
+        src, out = val(node.args[0]), val(node)
+        return src is not None and out is not None and src.element_size() == out.element_size()
+    return True
+
+
+def scaled_rows(node: Node):
+    """For a _scaled_mm: its scale_a when that scale has one value per row of the left
+    operand ((M, 1), sliced with the rows), None when it is one number for the whole tensor,
+    False when it is neither (a chunk of rows could not take its part of it)."""
+    a, s = shape(node.args[0]), shape(node.args[2])
+    if a is None or s is None:
+        return False
+    if math.prod(s) == 1:
+        return None
+    return node.args[2] if s == [a[0], 1] else False
+
+
+def is_scaled_rowwise(node: Node) -> bool:
+    """A _scaled_mm whose scale_a is not one number (see scaled_rows)."""
+    return node.target is SCALED_MM and scaled_rows(node) is not None
 
 
 ADD = aten.add.Tensor
@@ -169,6 +203,8 @@ def is_layout(node: Node) -> bool:
         return True
     if node.op != "call_function" or node.target not in LAYOUT_OPS:
         return False
+    if node.target in IDENTITIES:
+        return is_identity(node)
     if node.target is aten._to_copy.default:
         return same_place_copy(node)  # a dtype change is transparent; a device or layout change is not
     return True

@@ -23,7 +23,7 @@ from . import ops
 from .build import Builder
 from .normalize import Producer
 
-ROW_MATMULS = (ops.aten.mm.default, ops.aten.addmm.default)
+ROW_MATMULS = (ops.aten.mm.default, ops.aten.addmm.default, ops.SCALED_MM)
 
 
 def static_shape(node: Node) -> list[int] | None:
@@ -50,13 +50,15 @@ def can_chunk_rows(root: Node, prod: Producer) -> str | None:
         if p.target in ops.RESHAPES:
             if (static_shape(p) or [None])[-1] != n:
                 return f"{p.name} reshapes the matmul output's last dim"
-        elif p.target in ops.IDENTITIES or p.target is ops.ADD or ops.is_full_slice(p):
+        elif ops.is_identity(p) or p.target is ops.ADD or ops.is_full_slice(p):
             continue
         else:
             return f"{p.name} ({p.target}) does not act on rows independently"
     for m in prod.matmuls:
         if m.target not in ROW_MATMULS:
-            return f"{m.name} is {m.target}, not a 2-D mm/addmm"
+            return f"{m.name} is {m.target}, not a 2-D mm/addmm/_scaled_mm"
+        if m.target is ops.SCALED_MM and ops.scaled_rows(m) is False:
+            return f"{m.name}'s scale_a {ops.shape(m.args[2])} is neither one number nor one per row"
         out = static_shape(m)
         if out is None or out != [rows, n]:
             return f"{m.name} output {out} is not the collective input's rows {[rows, n]}"
@@ -76,6 +78,13 @@ def chunk_rows(b: Builder, root: Node, prod: Producer, select: Callable[[Node], 
             lhs = ops.MATMULS[node.target][0]
             args = list(node.args)
             args[lhs] = select(node.args[lhs])
+            if ops.is_scaled_rowwise(node):
+                # Rowwise scales go with their rows. _scaled_mm checks scale_a.stride(1) == 1, and
+                # inductor may lay out a copied (n, 1) slice with any stride on its size-1 dim:
+                # as_strided fixes that stride.
+                rows = select(node.args[2])
+                n = static_shape(rows)[0]
+                args[2] = b.call(ops.aten.as_strided.default, b.reshape(rows, [n]), [n, 1], [1, 1])
             out = b.call(node.target, *args, **node.kwargs)
         elif node.target is ops.ADD:
             a, c = (ev(x) if isinstance(x, Node) else x for x in node.args[:2])
