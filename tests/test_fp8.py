@@ -125,10 +125,12 @@ def check_fp8(name: str, inner: str, chunks: int):
 
 
 def check_all(inner: str):
-    """Job: every program, chunks 2 and 3 (3 does not divide the rows evenly)."""
+    """Job: every program, chunks 2 and 3 (3 does not divide the rows evenly). Under inductor,
+    only the rewritten programs at 3 chunks: its layout of the sliced scales is what differs."""
     out = {}
-    for name in PROGRAMS:
-        for chunks in (2, 3):
+    rewritten = [n for n in PROGRAMS if any(st == "rewritten" for _, st, _ in EXPECTED[n])]
+    for name in PROGRAMS if inner == "eager" else rewritten:
+        for chunks in (2, 3) if inner == "eager" else (3,):
             out[name, chunks] = check_fp8(name, inner, chunks)
     return out
 
