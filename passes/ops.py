@@ -203,10 +203,10 @@ def is_layout(node: Node) -> bool:
         return True
     if node.op != "call_function" or node.target not in LAYOUT_OPS:
         return False
-    if node.target in IDENTITIES:
-        return is_identity(node)
     if node.target is aten._to_copy.default:
         return same_place_copy(node)  # a dtype change is transparent; a device or layout change is not
+    if node.target is aten.view.dtype:
+        return is_identity(node)
     return True
 
 

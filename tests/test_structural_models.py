@@ -513,3 +513,27 @@ def test_module_paths_are_user_fqns(raw, want):
     node = Graph().placeholder("x")
     node.meta["nn_module_stack"] = {"k": (raw, torch.nn.Linear)}
     assert ops.module_path(node) == want
+
+
+def test_layout_ops_keep_place_and_width():
+    """A cast is a layout op, a device move is not; a bitcast is one only between dtypes of
+    one width (gloo gathers fp8 as uint8)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from overlapc.passes import ops
+
+    def f(x):
+        y = x.to(torch.float64).to("meta")
+        return x.to(torch.float8_e4m3fn).view(torch.uint8), x.view(torch.uint8), y
+
+    g = make_fx(f)(torch.randn(2, 4))
+    calls = [n for n in g.graph.nodes if n.op == "call_function" and n.target is not ops.aten.detach.default]
+    got = [(n.target, ops.is_layout(n)) for n in calls]
+    a = ops.aten
+    assert got == [
+        (a._to_copy.default, True),
+        (a._to_copy.default, False),
+        (a._to_copy.default, True),
+        (a.view.dtype, True),
+        (a.view.dtype, False),
+    ], got
