@@ -45,7 +45,7 @@ MATMULS = {
 SCALED_MM = aten._scaled_mm.default
 MATMULS[SCALED_MM] = (0, 1)
 """FP8 GEMMs as torchao lowers them: _scaled_mm(a, b, scale_a, scale_b, ...), the scales
-tensorwise (one number) or rowwise (scale_a (M, 1), scale_b (1, N)). See scaled_rows."""
+tensorwise (one number) or rowwise (scale_a (M, 1), scale_b (1, N)). See scale_kind."""
 GROUPED_MM = aten._grouped_mm.default if hasattr(aten, "_grouped_mm") else None
 if GROUPED_MM is not None:
     MATMULS[GROUPED_MM] = (0, 1)
@@ -97,21 +97,21 @@ def is_identity(node: Node) -> bool:
     return True
 
 
-def scaled_rows(node: Node):
-    """For a _scaled_mm: its scale_a when that scale has one value per row of the left
-    operand ((M, 1), sliced with the rows), None when it is one number for the whole tensor,
-    False when it is neither (a chunk of rows could not take its part of it)."""
+def scale_kind(node: Node) -> str | None:
+    """How a _scaled_mm's scale_a covers its left operand: "tensor" (one number, passed whole
+    to every chunk of rows), "row" ((M, 1): a chunk takes its rows' scales), or None (neither:
+    a chunk of rows could not take its part of it)."""
     a, s = shape(node.args[0]), shape(node.args[2])
     if a is None or s is None:
-        return False
-    if math.prod(s) == 1:
         return None
-    return node.args[2] if s == [a[0], 1] else False
+    if math.prod(s) == 1:
+        return "tensor"
+    return "row" if s == [a[0], 1] else None
 
 
 def is_scaled_rowwise(node: Node) -> bool:
-    """A _scaled_mm whose scale_a is not one number (see scaled_rows)."""
-    return node.target is SCALED_MM and scaled_rows(node) is not None
+    """A _scaled_mm whose scale_a is not one number (see scale_kind)."""
+    return node.target is SCALED_MM and scale_kind(node) != "tensor"
 
 
 ADD = aten.add.Tensor

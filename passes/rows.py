@@ -57,7 +57,7 @@ def can_chunk_rows(root: Node, prod: Producer) -> str | None:
     for m in prod.matmuls:
         if m.target not in ROW_MATMULS:
             return f"{m.name} is {m.target}, not a 2-D mm/addmm/_scaled_mm"
-        if m.target is ops.SCALED_MM and ops.scaled_rows(m) is False:
+        if m.target is ops.SCALED_MM and ops.scale_kind(m) is None:
             return f"{m.name}'s scale_a {ops.shape(m.args[2])} is neither one number nor one per row"
         out = static_shape(m)
         if out is None or out != [rows, n]:
