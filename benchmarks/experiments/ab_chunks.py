@@ -26,36 +26,11 @@ import torch.distributed as dist
 
 from benchmarks import common, harness
 
+_MOE = dict(tokens=1024, dim=1024, hidden=2048, n_experts=8, top_k=2, capacity_factor=1.25)
 MODELS = {  # builder, keyword arguments (the defaults of bench_ulysses / bench_moe), sites held
     "ulysses": ("overlapc.models.ulysses:build_ulysses", dict(dim=1024, n_heads=16, batch=2, seq=2048), "backward:*"),
-    "moe": (
-        "overlapc.models.moe:build_ep",
-        dict(
-            tokens=1024,
-            dim=1024,
-            hidden=2048,
-            n_experts=8,
-            top_k=2,
-            capacity_factor=1.25,
-            expert_form="bmm",
-            dtype="float32",
-        ),
-        "*",
-    ),
-    "dropless": (
-        "overlapc.models.moe:build_ep",
-        dict(
-            tokens=1024,
-            dim=1024,
-            hidden=2048,
-            n_experts=8,
-            top_k=2,
-            capacity_factor=1.25,
-            form="dropless",
-            dtype="bfloat16",
-        ),
-        "*",
-    ),
+    "moe": ("overlapc.models.moe:build_ep", dict(_MOE, expert_form="bmm", dtype="float32"), "*"),
+    "dropless": ("overlapc.models.moe:build_ep", dict(_MOE, form="dropless", dtype="bfloat16"), "*"),
 }
 
 
