@@ -12,6 +12,16 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def step(fn, inputs, seed: int) -> torch.Tensor:
+    """One training step's forward and backward: ``fn(*inputs)`` (this rank's part of a
+    DTensor output), backward of its sum weighted by a fixed random tensor of seed ``seed``
+    (so every output element gets its own gradient). The detached output."""
+    out = local(fn(*inputs))
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
+    (out * w).sum().backward()
+    return out.detach()
+
+
 def grads(module: torch.nn.Module, inputs=()) -> dict[str, torch.Tensor]:
     """Every parameter's gradient (this rank's shard), and every input's as ``input{i}``."""
     out = {n: local(p.grad).clone() for n, p in module.named_parameters() if p.grad is not None}

@@ -167,11 +167,8 @@ def _run_batches(inner, batches, seq, options):
         outs = []
         for m, params in ((ref, ref), (compiled, model)):
             params.zero_grad(set_to_none=True)
-            out = m(tokens)
-            out = out.to_local() if hasattr(out, "to_local") else out
-            w = torch.randn(out.shape, generator=torch.Generator().manual_seed(step)).to(out.dtype)
-            (out * w).sum().backward()
-            outs.append({"forward": out.detach(), **eager_check.grads(params)})
+            out = eager_check.step(m, (tokens,), seed=step)
+            outs.append({"forward": out, **eager_check.grads(params)})
         eager_check.assert_matches(outs[1], outs[0], tol, where=f"batch {b} ")
     sites = [s for s in be.report.sites if s.pattern != "collective"]
     return {

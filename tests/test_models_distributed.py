@@ -24,16 +24,6 @@ import torch.distributed as dist
 TOL = {"eager": dict(rtol=1e-5, atol=1e-5), "inductor": dict(rtol=1e-4, atol=1e-5)}
 
 
-def _step(model, inputs, seed):
-    out = model(*inputs)
-    if hasattr(out, "to_local"):
-        out = out.to_local()
-    g = torch.Generator().manual_seed(seed)
-    weight = torch.randn(out.shape, generator=g).to(out.dtype)
-    (out * weight).sum().backward()
-    return out.detach()
-
-
 def check_model(builder: str, inner: str, options: dict | None = None, **build_kw):
     """Job: build the model twice from one seed; compile one; compare forward and grads."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -50,8 +40,8 @@ def check_model(builder: str, inner: str, options: dict | None = None, **build_k
     opts = {"inner": inner, "strategy": "decompose", **(options or {})}
     overlapc.reset_report()
     compiled = torch.compile(model, backend="overlapc", options=opts)
-    ref_out = _step(ref_model, ref_inputs, seed=7)
-    out = _step(compiled, inputs, seed=7)
+    ref_out = eager_check.step(ref_model, ref_inputs, seed=7)
+    out = eager_check.step(compiled, inputs, seed=7)
 
     def tol(ref):
         if ref.dtype != torch.bfloat16:

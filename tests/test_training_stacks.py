@@ -23,13 +23,6 @@ import torch
 SMALL = dict(n_layers=2, dim=64, n_heads=4, ffn_dim=128, vocab_size=64, seq=16)
 
 
-def _step(model, inputs):
-    out = model(*inputs)
-    g = torch.Generator().manual_seed(7)
-    (out * torch.randn(out.shape, generator=g)).sum().backward()
-    return out.detach()
-
-
 def check_fsdp_tp(inner: str):
     """Job (world 4): the 2-D layout, eager against per-block compiled blocks 1.."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -50,8 +43,8 @@ def check_fsdp_tp(inner: str):
                 block.compile(backend="overlapc", options={"strategy": "decompose", "inner": inner})
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(m, mesh=mesh["dp"])
-    want = {"forward": _step(ref, inputs), **eager_check.grads(ref)}
-    got = {"forward": _step(model, inputs), **eager_check.grads(model)}
+    want = {"forward": eager_check.step(ref, inputs, seed=7), **eager_check.grads(ref)}
+    got = {"forward": eager_check.step(model, inputs, seed=7), **eager_check.grads(model)}
     eager_check.assert_matches(got, want, dict(rtol=1e-5, atol=1e-5))
     sites = [s for s in overlapc.last_report().sites if s.pattern != "collective"]
     return {
