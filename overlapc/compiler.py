@@ -101,15 +101,46 @@ def overlapc_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
 
 
 def compile_graph(gm, example_inputs, opts: Options, be: Backend):
+    from .blocks import compile_per_block, locate
+
+    # Called inside dynamo's compile of the first call: the running modules tell which block
+    # of which model this graph is (module.compile() per block; see overlapc/blocks.py).
+    loc = locate(gm) if _has_collectives(gm) else None
+    if loc is not None and loc.prefix:
+        return compile_per_block(
+            gm,
+            loc,
+            opts,
+            lambda g, serving: _compile_graph(g, example_inputs, opts, be, serving),
+            lambda rows: _add_rows_locked(be, rows),
+        )
+    return _compile_graph(gm, example_inputs, opts, be, None)
+
+
+def _compile_graph(gm, example_inputs, opts: Options, be: Backend, serving):
     from .buckets import BucketedGraph, symbolic_inputs
 
     values = symbolic_inputs(gm) if _has_collectives(gm) else None
     if values is not None:
         # Sizes are symbols: plan and compile per shape bucket, at the first call in it.
-        bucketed = BucketedGraph(gm, values, lambda g, fakes: _compile_static(g, fakes, opts, be))
+        bucketed = BucketedGraph(gm, values, lambda g, fakes: _compile_static(g, fakes, opts, be, serving))
         be._bucketed[:] = [r for r in be._bucketed if r() is not None] + [weakref.ref(bucketed)]
         return bucketed
-    return _compile_static(gm, example_inputs, opts, be)
+    return _compile_static(gm, example_inputs, opts, be, serving)
+
+
+def _add_rows(be: Backend, rows, serving=None) -> None:
+    """Report rows of one compiled program, also under every block that runs it; the caller
+    holds _GLOBAL_LOCK."""
+    be.report.extend(rows)
+    if serving is not None:
+        serving.rows.extend(rows)
+        be.report.extend(serving.copies(rows, serving.aliases))
+
+
+def _add_rows_locked(be: Backend, rows) -> None:
+    with _GLOBAL_LOCK:
+        be.report.extend(rows)
 
 
 def _has_collectives(gm) -> bool:
@@ -125,7 +156,7 @@ def _has_collectives(gm) -> bool:
     return False
 
 
-def _compile_static(gm, example_inputs, opts: Options, be: Backend):
+def _compile_static(gm, example_inputs, opts: Options, be: Backend, serving=None):
     log.info("overlapc: compiling a graph of %d nodes (%s)", len(gm.graph.nodes), _brief(opts))
     from torch._functorch import config as functorch_config
 
@@ -134,17 +165,17 @@ def _compile_static(gm, example_inputs, opts: Options, be: Backend):
 
     loops = group_expert_loops(gm, opts, "forward" if torch.is_grad_enabled() else "inference")
     with _GLOBAL_LOCK:
-        be.report.extend(loops)
+        _add_rows(be, loops, serving)
     for s in loops:
         log.info("overlapc: %s %s%s", s.name, s.status, f" ({s.reason})" if s.reason else "")
     # A cache hit would skip the passes, and with them the report.
     with functorch_config.patch(enable_autograd_cache=False):
         if opts.inner == "eager":
-            return _compile_eager(gm, example_inputs, opts, be)
-        return _compile_inductor(gm, example_inputs, opts, be)
+            return _compile_eager(gm, example_inputs, opts, be, serving)
+        return _compile_inductor(gm, example_inputs, opts, be, serving)
 
 
-def _run_passes(gm, kind: str, opts: Options, be: Backend):
+def _run_passes(gm, kind: str, opts: Options, be: Backend, serving=None):
     from overlapc.passes import optimize
 
     sites = optimize(gm, kind, opts)
@@ -162,13 +193,15 @@ def _run_passes(gm, kind: str, opts: Options, be: Backend):
         # (explain() agrees on nothing and runs nothing: its graphs need no lanes.)
         lanes.ensure(lanes.lanes_in(gm.graph))
     with _GLOBAL_LOCK:
-        be.report.extend(sites)
+        _add_rows(be, sites, serving)
         if be.graphs is not None:
             be.graphs.append((kind, gm))
         # After the last graph of a capture (its backward, or an inference graph): a glob that
         # matched no site so far is most likely a typo or a name from another layout.
         if opts.overrides and kind in ("backward", "inference"):
-            for glob in opts.unmatched_overrides(s.name for s in be.report.sites):
+            # Names of the blocks that may run this program count as matched.
+            names = [s.name for s in be.report.sites] + (serving.names(serving.rows) if serving else [])
+            for glob in opts.unmatched_overrides(names):
                 if glob not in be.warned_overrides:
                     be.warned_overrides.add(glob)
                     log.warning(
@@ -201,7 +234,7 @@ def _name_failures(compiled, kind: str, sites: list[str]) -> None:
         )
 
 
-def _compile_eager(gm, example_inputs, opts, be):
+def _compile_eager(gm, example_inputs, opts, be, serving=None):
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -213,7 +246,7 @@ def _compile_eager(gm, example_inputs, opts, be):
             from .runtime.waits import name_waits
 
             base = copy_graph_module(g) if may_adapt(opts) else None
-            sites = _run_passes(g, kind, opts, be)
+            sites = _run_passes(g, kind, opts, be, serving)
             # A failing chunked collective names its site and chunk.
             planned = make_boxed_func(name_waits(g).forward)
             ranks = base is not None and race_ranks(bool(g.meta.get("overlapc_changed")), sites)
@@ -236,8 +269,8 @@ def _overlap_pass_class():
     class OverlapPass(CustomGraphPass):
         """inductor post-grad custom pass; the graph kind comes from the inner-compile call."""
 
-        def __init__(self, opts: Options, be: Backend):
-            self.opts, self.be = opts, be
+        def __init__(self, opts: Options, be: Backend, serving=None):
+            self.opts, self.be, self.serving = opts, be, serving
             self.kind = "forward"
             self.rewritten: list[str] = []
             self.sites: list = []
@@ -245,7 +278,7 @@ def _overlap_pass_class():
 
         def __call__(self, graph: torch.fx.Graph) -> None:
             gm = graph.owning_module
-            sites = _run_passes(gm, self.kind, self.opts, self.be)
+            sites = _run_passes(gm, self.kind, self.opts, self.be, self.serving)
             self.sites, self.changed = sites, bool(gm.meta.get("overlapc_changed"))
             self.rewritten = [s.name for s in sites if s.status == "rewritten"]
             from .runtime.dropless import pipelines_of
@@ -261,11 +294,11 @@ def _overlap_pass_class():
     return OverlapPass
 
 
-def _compile_inductor(gm, example_inputs, opts, be):
+def _compile_inductor(gm, example_inputs, opts, be, serving=None):
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-    pass_ = _overlap_pass_class()(opts, be)
+    pass_ = _overlap_pass_class()(opts, be, serving)
 
     from overlapc.passes.build import copy_graph_module
 
