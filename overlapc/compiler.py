@@ -138,9 +138,31 @@ def _add_rows(be: Backend, rows, serving=None) -> None:
         be.report.extend(serving.copies(rows, serving.aliases))
 
 
-def _add_rows_locked(be: Backend, rows) -> None:
+def _add_rows_locked(be: Backend, rows, serving=None) -> None:
     with _GLOBAL_LOCK:
-        be.report.extend(rows)
+        _add_rows(be, rows, serving)
+
+
+def _alternative(gm, kind: str, opts: Options, be: Backend, serving, planned_rows):
+    """The plan of the other family for option adapt to race: micro-batch slices alone where
+    the planner chose row chunks, row chunks where it chose slices; (graph, report rows,
+    label), or None where ``microbatches`` is the user's number or the alternative changes
+    nothing or plans the same. Every rank makes the same one (it is planned like any graph)."""
+    if opts.microbatches != "auto":
+        return None
+    sliced = any(r.pattern == "microbatch" and r.status == "rewritten" for r in planned_rows)
+    if sliced:
+        label, alt = "row chunks, no slices", Options.from_user(opts, microbatches=1)
+    else:
+        label, alt = "2 micro-batch slices", Options.from_user(opts, microbatches=2, strategy="none")
+    rows = _run_passes(gm, kind, alt, be, serving, record=False)
+
+    def plan(rs):
+        return sorted((r.name, r.status, r.strategy, r.chunks) for r in rs)
+
+    if not gm.meta.get("overlapc_changed") or plan(rows) == plan(planned_rows):
+        return None
+    return gm, rows, label
 
 
 def _has_collectives(gm) -> bool:
@@ -175,7 +197,9 @@ def _compile_static(gm, example_inputs, opts: Options, be: Backend, serving=None
         return _compile_inductor(gm, example_inputs, opts, be, serving)
 
 
-def _run_passes(gm, kind: str, opts: Options, be: Backend, serving=None):
+def _run_passes(gm, kind: str, opts: Options, be: Backend, serving=None, record: bool = True):
+    """overlapc's passes on one ATen graph; with ``record``, its rows go to the report (an
+    alternative program, raced by option adapt, reports its rows only where it is kept)."""
     from overlapc.passes import optimize
 
     sites = optimize(gm, kind, opts)
@@ -192,6 +216,8 @@ def _run_passes(gm, kind: str, opts: Options, be: Backend, serving=None):
         # After the plans agreed: every rank of a group then makes its lanes at the same point.
         # (explain() agrees on nothing and runs nothing: its graphs need no lanes.)
         lanes.ensure(lanes.lanes_in(gm.graph))
+    if not record:
+        return sites
     with _GLOBAL_LOCK:
         _add_rows(be, sites, serving)
         if be.graphs is not None:
@@ -246,13 +272,24 @@ def _compile_eager(gm, example_inputs, opts, be, serving=None):
             from .runtime.waits import name_waits
 
             base = copy_graph_module(g) if may_adapt(opts) else None
+            other = copy_graph_module(g) if base is not None else None
             sites = _run_passes(g, kind, opts, be, serving)
             # A failing chunked collective names its site and chunk.
             planned = make_boxed_func(name_waits(g).forward)
             ranks = base is not None and race_ranks(bool(g.meta.get("overlapc_changed")), sites)
             if ranks:
+                alt = _alternative(other, kind, opts, be, serving, sites)
+                if alt is not None:
+                    alt = (make_boxed_func(name_waits(alt[0]).forward), *alt[1:])
                 return Adaptive(
-                    planned, make_boxed_func(base.forward), kind=kind, rows=sites, ranks=ranks, steps=opts.adapt
+                    planned,
+                    make_boxed_func(base.forward),
+                    kind=kind,
+                    rows=sites,
+                    ranks=ranks,
+                    steps=opts.adapt,
+                    alternative=alt,
+                    add_rows=lambda rows: _add_rows_locked(be, rows, serving),
                 )
             return planned
 

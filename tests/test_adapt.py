@@ -97,3 +97,81 @@ def test_adapt_agrees_across_ranks(world2):
     # each program is slow on one rank: both medians are ~20 ms at the slowest rank; whichever
     # wins, both ranks keep the same one
     assert kept[0] == kept[1], kept
+
+
+def alternative_job() -> dict:
+    """Three programs; the alternative is the fastest on every rank."""
+    from overlapc.report import Site
+    from overlapc.runtime.adapt import Adaptive
+
+    def sleeper(seconds):
+        return lambda a: time.sleep(seconds)
+
+    planned_rows = [
+        Site(name="forward:w:all_gather_matmul", pattern="all_gather_matmul", graph="forward", status="rewritten")
+    ]
+    alt_rows = [Site(name="forward:x:microbatch", pattern="microbatch", graph="forward", status="rewritten")]
+    added = []
+    ad = Adaptive(
+        sleeper(0.02),
+        sleeper(0.03),
+        kind="forward",
+        rows=planned_rows,
+        ranks=[0, 1],
+        steps=2,
+        alternative=(sleeper(0.002), alt_rows, "2 micro-batch slices"),
+        add_rows=added.extend,
+    )
+    order = []
+    for _ in range(9):  # 3 warm-up calls and 2 timed each: decided at the 9th
+        ad([])
+        order.append(ad.kept)
+    return {
+        "kept": ad.kept,
+        "decided_at": order.index("alternative"),
+        "planned": (planned_rows[0].status, planned_rows[0].reason),
+        "added": [r.name for r in added],
+        "measured": alt_rows[0].details.get("measured"),
+    }
+
+
+@pytest.mark.distributed
+def test_adapt_keeps_a_faster_alternative(world2):
+    for r in world2.run(alternative_job):
+        assert r["kept"] == "alternative" and r["decided_at"] == 8, r
+        status, reason = r["planned"]
+        assert status == "skipped" and "measured slower than the alternative (2 micro-batch slices)" in reason, r
+        assert r["added"] == ["forward:x:microbatch"], r
+        m = r["measured"]
+        assert m["kept"] == "alternative" and m["alternative_ms"] < m["planned_ms"] < m["baseline_ms"], m
+
+
+def compiled_alternative_job() -> dict:
+    """A graph the planner chunks by rows, compiled with microbatches "auto": option adapt
+    also compiles two micro-batch slices and races them; every call equals eager."""
+    from overlapc import Backend, Options
+
+    group = dist.group.WORLD
+    rank = dist.get_rank()
+
+    def fn(x, w):
+        return funcol.all_gather_tensor(x, 1, group) @ w
+
+    opts = Options(inner="eager", adapt=2, overrides={"*": {"strategy": "decompose", "chunks": 2}})
+    be = Backend(opts)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=be, fullgraph=True)
+    w = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+    for i in range(12):
+        x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(10 * i + rank))
+        torch.testing.assert_close(compiled(x, w), fn(x, w), rtol=1e-5, atol=1e-5)
+    site = next(s for s in be.report.sites if s.pattern == "all_gather_matmul")
+    return site.details.get("measured") or {}
+
+
+@pytest.mark.distributed
+def test_adapt_races_the_slices_alternative(world2):
+    got = world2.run(compiled_alternative_job)
+    assert got[0] == got[1], got  # agreed
+    assert got[0].get("alternative") == "2 micro-batch slices", got[0]
+    assert {"planned_ms", "alternative_ms", "baseline_ms"} <= got[0].keys(), got[0]

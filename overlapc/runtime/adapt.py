@@ -1,17 +1,22 @@
-"""Adapt from the first calls: run the planned program and the baseline alternately, keep the faster.
+"""Adapt from the first calls: run the planned program, its alternative and the baseline
+alternately, keep the fastest.
 
 The planner's choice is a prediction. For a graph it rewrote under ``strategy="auto"``, the
-backend also compiles the graph as captured (the baseline), and :class:`Adaptive` calls the
-two alternately: one warm-up call each, then ``options.adapt`` timed calls each. The ranks
-that run the graph then exchange their median times through the c10d store. The store is
-not the program's process group, which may still have collectives in flight; it also has a
-timeout of its own. Each program is timed at its slowest rank, and the faster one is kept
-on every rank. A plan measured slower than the baseline is never kept.
+backend also compiles the graph as captured (the baseline) and, where ``microbatches`` is
+"auto", the plan of the other family: micro-batch slices where the planner chose row chunks,
+row chunks where it chose slices (the two choices the cost model ranks against each other,
+and the one it gets wrong most: BENCHMARKS.md's defaults table). :class:`Adaptive` calls
+the programs in turn: one warm-up call each, then ``options.adapt`` timed calls each. The
+ranks that run the graph then exchange their median times through the c10d store. The
+store is not the program's process group, which may still have collectives in flight; it
+also has a timeout of its own. Each program is timed at its slowest rank, and the fastest
+is kept on every rank. A rewrite measured slower than the baseline is never kept.
 
 Every rank calls a graph the same number of times in the same order (the graphs hold
 collectives), so all of them decide at the same call with the same numbers. The report rows
-of the graph get ``details["measured"]`` (both medians and the program kept). Where the
-baseline is kept, the rewritten rows become "skipped" with the measured times as the reason.
+of the graph get ``details["measured"]`` (the medians and the program kept). Where another
+program is kept, the planned rows become "skipped" with the measured times as the reason;
+where the alternative is kept, its rows join the report.
 """
 
 from __future__ import annotations
@@ -28,20 +33,44 @@ WARMUP = 1
 """Calls of each program before timing: the first call allocates, connects and autotunes."""
 
 
+PROGRAMS = 3
+"""At most this many programs race: the planned one, its alternative, the baseline."""
+
+
 def settle_calls(adapt: int) -> int:
     """Calls of a compiled model after which every graph that option ``adapt`` races has kept
-    its program: the compiling call, both programs' warm-up and timed calls, and one spare.
-    Timing earlier calls would time a mix of the two programs."""
-    return 2 + 2 * (WARMUP + adapt)
+    its program: the compiling call, every program's warm-up and timed calls, and one spare.
+    Timing earlier calls would time a mix of the programs."""
+    return 2 + PROGRAMS * (WARMUP + adapt)
 
 
 class Adaptive:
-    """A boxed callable (one list of inputs) over two compiled variants of one graph."""
+    """A boxed callable (one list of inputs) over two or three compiled variants of one graph:
+    the planned program, optionally its alternative (``(program, report rows, label)``: the
+    plan the planner ranked next, e.g. micro-batch slices instead of row chunks), and the
+    graph as captured. ``add_rows`` reports the alternative's rows where it is kept."""
 
-    def __init__(self, planned, baseline, *, kind: str, rows: list, ranks: list[int], steps: int):
-        self.fns = {"planned": planned, "baseline": baseline}
-        self.times: dict[str, list[float]] = {"planned": [], "baseline": []}
+    def __init__(
+        self,
+        planned,
+        baseline,
+        *,
+        kind: str,
+        rows: list,
+        ranks: list[int],
+        steps: int,
+        alternative: tuple | None = None,
+        add_rows=None,
+    ):
+        self.fns = {"planned": planned}
+        self.alt_rows, self.alt_label = [], ""
+        if alternative is not None:
+            self.fns["alternative"], self.alt_rows, self.alt_label = alternative
+        self.fns["baseline"] = baseline
+        self.order = list(self.fns)
+        self.times: dict[str, list[float]] = {n: [] for n in self.order}
         self.kind, self.rows, self.ranks, self.steps = kind, rows, ranks, steps
+        self.add_rows = add_rows
         self.calls = 0
         self.kept: str | None = None
         self._boxed_call = True
@@ -49,7 +78,7 @@ class Adaptive:
     def __call__(self, args):
         if self.kept is not None:
             return self.fns[self.kept](args)
-        name = ("planned", "baseline")[self.calls % 2]
+        name = self.order[self.calls % len(self.order)]
         cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
         if cuda:
             torch.cuda.synchronize()
@@ -58,7 +87,7 @@ class Adaptive:
         if cuda:
             torch.cuda.synchronize()
         t = time.perf_counter() - t
-        if self.calls >= 2 * WARMUP:
+        if self.calls >= len(self.order) * WARMUP:
             self.times[name].append(t)
         self.calls += 1
         if all(len(v) >= self.steps for v in self.times.values()):
@@ -68,31 +97,50 @@ class Adaptive:
     def _decide(self) -> None:
         from overlapc.agree import _exchange
 
-        mine = (statistics.median(self.times["planned"]), statistics.median(self.times["baseline"]))
+        mine = [statistics.median(self.times[n]) for n in self.order]
         got = _exchange("adapt/" + "_".join(map(str, self.ranks)), self.ranks, mine)
-        planned, baseline = max(g[0] for g in got), max(g[1] for g in got)
-        self.kept = "planned" if planned < baseline else "baseline"
-        self.fns = {self.kept: self.fns[self.kept]}  # the other program's memory goes
+        slowest = {n: max(g[i] for g in got) for i, n in enumerate(self.order)}
+        # A rewrite is kept only where it beats the baseline; of two that do, the faster.
+        self.kept = min(self.order, key=lambda n: (slowest[n], n != "baseline"))
+        if slowest[self.kept] >= slowest["baseline"]:
+            self.kept = "baseline"
+        self.fns = {self.kept: self.fns[self.kept]}  # the other programs' memory goes
+        planned, baseline = slowest["planned"], slowest["baseline"]
         measured = {
             "planned_ms": round(planned * 1e3, 3),
             "baseline_ms": round(baseline * 1e3, 3),
             "calls": self.steps,
             "kept": self.kept,
         }
+        if "alternative" in slowest:
+            measured["alternative_ms"] = round(slowest["alternative"] * 1e3, 3)
+            measured["alternative"] = self.alt_label
         for row in self.rows:
             row.details["measured"] = measured
-            if self.kept == "baseline" and row.status == "rewritten":
+            if self.kept != "planned" and row.status == "rewritten":
                 row.status, row.strategy, row.chunks = "skipped", None, None
-                row.reason = (
-                    f"measured slower than the baseline in the first calls of the {self.kind} graph "
-                    f"({planned * 1e3:.1f} ms against {baseline * 1e3:.1f} ms, slowest rank, median of "
-                    f"{self.steps}); the baseline runs (option adapt)"
-                )
+                if self.kept == "baseline":
+                    row.reason = (
+                        f"measured slower than the baseline in the first calls of the {self.kind} graph "
+                        f"({planned * 1e3:.1f} ms against {baseline * 1e3:.1f} ms, slowest rank, median of "
+                        f"{self.steps}); the baseline runs (option adapt)"
+                    )
+                else:
+                    row.reason = (
+                        f"measured slower than the alternative ({self.alt_label}) in the first calls of the "
+                        f"{self.kind} graph ({planned * 1e3:.1f} ms against "
+                        f"{slowest['alternative'] * 1e3:.1f} ms, slowest rank, median of {self.steps}); "
+                        "the alternative runs (option adapt)"
+                    )
+        if self.kept == "alternative":
+            for row in self.alt_rows:
+                row.details["measured"] = measured
+            if self.add_rows is not None:
+                self.add_rows(self.alt_rows)
         log.info(
-            "overlapc: %s graph: planned %.1f ms, baseline %.1f ms over %d calls: keeping the %s",
+            "overlapc: %s graph: %s over %d calls: keeping the %s",
             self.kind,
-            planned * 1e3,
-            baseline * 1e3,
+            ", ".join(f"{n} {slowest[n] * 1e3:.1f} ms" for n in self.order),
             self.steps,
             self.kept,
         )
