@@ -207,6 +207,8 @@ def bench_job(cfg: dict) -> dict:
                     if s.details.get("measured")
                 }
             ),
+            # what the variant's planner decided per site: a gap to the best variant starts here
+            "plan": {s.name: _plan_cell(s) for s in variants[name][2].report.sites if s.pattern != "collective"},
         }
     # Collective payloads each compiled step hands its process group, by graph and op.
     result["bytes"] = {
@@ -229,6 +231,12 @@ def bench_job(cfg: dict) -> dict:
         result["timeline"] = common.profile_events(steps["overlapc"])
         result["timeline_base"] = common.profile_events(steps["base"])
     return result
+
+
+def _plan_cell(site) -> str:
+    if site.status == "rewritten":
+        return f"{site.strategy} x{site.chunks}"
+    return f"{site.status}: {site.reason or ''}"[:160]
 
 
 def predicted_saving(report) -> float:
@@ -377,6 +385,8 @@ def run(bench: Bench, model: dict, args, **cfg_extra) -> list[dict]:
                     f"E {v['efficiency']:.2f}",
                     flush=True,
                 )
+                for site, cell in v.get("plan", {}).items():
+                    print(f"        {site}: {cell}", flush=True)
             rows.append(res)
     return rows
 
