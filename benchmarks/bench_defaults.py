@@ -103,13 +103,21 @@ def write_report(name: str, title: str, model: dict, rows: list[dict], cmd: str)
         )
     lines += [
         "",
-        "What option adapt kept in the first calls (graph: program kept, planned / baseline ms at the slowest rank):",
+        "What option adapt kept in the first calls (graph: program kept, planned / baseline ms at the slowest "
+        "rank, and / alternative ms where the other family raced too):",
         "",
     ]
     for r in rows:
         for n in ("default", "measure"):
             got = r.get("variants", {}).get(n, {}).get("adapted") or []
-            text = "; ".join(f"{g}: {kept} ({p:.0f} / {b:.0f})" for g, kept, p, b in got) or "no graph raced"
+            text = (
+                "; ".join(
+                    f"{g}: {kept} ({p:.0f} / {b:.0f}" + (f" / {a:.0f})" if a is not None else ")")
+                    for g, kept, p, b, *rest in got
+                    for a in [rest[0] if rest else None]
+                )
+                or "no graph raced"
+            )
             lines.append(f"- {r['rate_mbit']:.0f} Mbit/s, world {r['world_size']}, {r['mode']}, {n}: {text}")
     body = "\n".join(lines)
     return common.write_run_report(

@@ -202,6 +202,7 @@ def bench_job(cfg: dict) -> dict:
                         s.details["measured"]["kept"],
                         s.details["measured"]["planned_ms"],
                         s.details["measured"]["baseline_ms"],
+                        s.details["measured"].get("alternative_ms"),
                     )
                     for s in variants[name][2].report.sites
                     if s.details.get("measured")
