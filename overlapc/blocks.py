@@ -199,17 +199,19 @@ class Serving:
 
 
 class PerBlock:
-    """What the backend returns for a graph dynamo shares among sibling blocks: runs each call
-    with its block's compiled program and lists a block in the report at its first call."""
+    """What the backend returns for a graph dynamo may share among sibling blocks: runs each
+    call with its block's program, compiling a group's program at the group's first call, and
+    lists a block in the report at its first call."""
 
-    def __init__(self, loc: Located, programs: dict[str, Serving], add_rows):
+    def __init__(self, loc: Located, programs: dict[str, Serving], add_rows, make):
         self.loc = loc
         self.programs = programs
         """Sibling path -> the Serving whose program it runs."""
         self.first = programs[loc.prefix]
-        self._by_param: dict[int, tuple[weakref.ref, str]] = {}
-        self._seen: set[str] = {s.prefix for s in programs.values()}
+        self._by_param: dict[int, tuple[weakref.ref, str | None]] = {}
+        self._seen: set[str] = {loc.prefix}
         self._add_rows = add_rows
+        self._make = make
         self._warned = False
 
     def _block_of(self, t) -> str | None:
@@ -227,7 +229,7 @@ class PerBlock:
             self._by_param[id(t)] = hit = (weakref.ref(t), None)  # of no block: do not look again
         return hit[1]
 
-    def program(self, args) -> tuple[str | None, object]:
+    def program(self, args) -> tuple[str | None, Serving]:
         """(block path, Serving) of the program a call with graph inputs ``args`` runs."""
         path = self._block_of(args[self.loc.arg])
         return path, self.programs.get(path, self.first) if path is not None else self.first
@@ -239,31 +241,40 @@ class PerBlock:
             log.info("overlapc: a call of the graph compiled for %s with parameters of no known block", self.loc.prefix)
         elif path is not None and path not in self._seen:
             self._seen.add(path)
-            serving.aliases.append(path)
-            self._add_rows(serving.copies(serving.rows, [path]))
+            if serving.fn is None:  # the first call of its group: compile it, named for this block
+                self._make(serving, path)
+            else:
+                serving.aliases.append(path)
+                self._add_rows(serving.copies(serving.rows, [path]))
         return serving.fn(*args)
 
 
 def compile_per_block(gm, loc: Located, opts, compile_one, add_rows):
-    """Compile ``gm`` for block ``loc`` and for each sibling whose overrides resolve otherwise.
+    """Compile ``gm`` for block ``loc``; its siblings whose overrides resolve otherwise get
+    their own program at their first call (dynamo reuses ``gm`` for them, or compiles them
+    anew where it guards on the block's identity: then they never call this one).
 
     ``compile_one(gm, serving)`` compiles one copy of the graph; ``add_rows(rows)`` adds report
-    rows. Every rank compiles the same programs in the same order."""
+    rows. Every rank compiles the same programs in the same order (ranks call blocks in step)."""
     from overlapc.passes.build import copy_graph_module
 
     rel = module_paths(gm)
     groups: dict[tuple, list[str]] = {}
-    order = [loc.prefix] + [p for p in loc.siblings if p != loc.prefix]
-    for p in order:
+    for p in [loc.prefix] + [p for p in loc.siblings if p != loc.prefix]:
         groups.setdefault(signature(opts, p, rel), []).append(p)
     programs = {}
     for members in groups.values():
-        g = copy_graph_module(gm)
-        with_prefix(g, members[0])
         serving = Serving(members[0], members)
-        serving.fn = compile_one(g, serving)
         for p in members:
             programs[p] = serving
+
+    def make(serving: Serving, prefix: str) -> None:
+        g = copy_graph_module(gm)
+        with_prefix(g, prefix)
+        serving.prefix = prefix
+        serving.fn = compile_one(g, serving)
+
+    make(programs[loc.prefix], loc.prefix)
     if not loc.siblings.keys() - {loc.prefix}:
         return programs[loc.prefix].fn
-    return PerBlock(loc, programs, add_rows)
+    return PerBlock(loc, programs, add_rows, make)
