@@ -29,18 +29,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-log = logging.getLogger("overlapc")
+from overlapc.passes.ops import strip_wrappers
 
-# Attributes by which wrappers hold the module they wrap: named_modules() shows them, but a
-# user's names (and a name the wrapped module had before wrapping) leave them out.
-WRAPPERS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
+log = logging.getLogger("overlapc")
 
 # The root module's source as dynamo writes it at the start of a module path.
 _ROOT_SOURCE = re.compile(r"^(?:L\['\w+'\](?:\[\d+\])*|self)")
-
-
-def strip_wrappers(path: str) -> str:
-    return ".".join(p for p in path.split(".") if p and p not in WRAPPERS)
 
 
 @dataclass
@@ -49,8 +43,6 @@ class Located:
 
     prefix: str
     """Its path in the model, wrappers left out ("layers.1"); "" when it is the model."""
-    root: weakref.ref
-    cls: type
     arg: int
     """Index of a graph input that is one of its parameters: it tells blocks apart at run time."""
     siblings: dict[str, weakref.ref] = field(default_factory=dict)
@@ -107,7 +99,7 @@ def locate(gm: torch.fx.GraphModule) -> Located | None:
         path = next((name for name, sub in m.named_modules(remove_duplicate=False) if sub is block), None)
         if path is not None:
             root, prefix = m, strip_wrappers(path)
-    loc = Located(prefix, weakref.ref(root), type(block), arg)
+    loc = Located(prefix, arg)
     if prefix:
         for name, sub in root.named_modules():
             # Siblings that are compiled on their own (module.compile(), or torch.compile's
@@ -138,12 +130,17 @@ def with_prefix(gm: torch.fx.GraphModule, prefix: str) -> None:
         n.meta["nn_module_stack"] = out
 
 
+def _reprefix(path: str, old: str, new: str) -> str:
+    """``path`` (a module path, or one followed by ":...") under block ``new`` instead of ``old``."""
+    if path == old or path.startswith((old + ".", old + ":")):
+        return new + path[len(old) :]
+    return path
+
+
 def rename(name: str, old: str, new: str) -> str:
     """Site name ``name`` of block ``old`` as block ``new``'s: "forward:layers.1.wo:x" -> "forward:layers.2.wo:x"."""
     graph, sep, rest = name.partition(":")
-    if rest == old or rest.startswith((old + ".", old + ":")):
-        return f"{graph}{sep}{new}{rest[len(old) :]}"
-    return name
+    return f"{graph}{sep}{_reprefix(rest, old, new)}"
 
 
 def module_paths(gm: torch.fx.GraphModule) -> set[str]:
@@ -185,14 +182,15 @@ class Serving:
     def copies(self, rows, prefixes) -> list:
         import dataclasses
 
-        out = []
-        for q in prefixes:
-            for r in rows:
-                mod = r.module
-                if mod is not None:
-                    mod = rename(f"x:{mod}", self.prefix, q)[2:]
-                out.append(dataclasses.replace(r, name=rename(r.name, self.prefix, q), module=mod))
-        return out
+        return [
+            dataclasses.replace(
+                r,
+                name=rename(r.name, self.prefix, q),
+                module=None if r.module is None else _reprefix(r.module, self.prefix, q),
+            )
+            for q in prefixes
+            for r in rows
+        ]
 
     def names(self, rows) -> list[str]:
         return [rename(r.name, self.prefix, q) for q in self.potential for r in rows]

@@ -351,8 +351,17 @@ def module_path(node: Node) -> str | None:
     # bound method's closure (torchtitan replaces forward with one), activation checkpointing's,
     # FSDP's and torch.compile's wrapper attributes.
     path = re.sub(r"(?:^|\.)\w+\.__closure__\[\d+\]\.cell_contents(?:\.__self__)?", "", path)
-    path = re.sub(r"(?:^|\.)(?:_checkpoint_wrapped_module|_fsdp_wrapped_module|_orig_mod)(?=\.|$)", "", path)
-    return path.strip(".") or None
+    return strip_wrappers(path) or None
+
+
+# Attributes by which wrappers hold the module they wrap: named_modules() shows them, but a
+# user's names (and the name the wrapped module had before wrapping) leave them out.
+WRAPPERS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
+
+
+def strip_wrappers(path: str) -> str:
+    """A dotted module path without wrappers' attributes (and without empty parts)."""
+    return ".".join(p for p in path.split(".") if p and p not in WRAPPERS)
 
 
 def common_module(paths) -> str | None:

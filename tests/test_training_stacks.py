@@ -95,6 +95,7 @@ def check_names_and_overrides(inner: str):
     import overlapc
     from overlapc import blocks
     from overlapc.models import llama
+    from overlapc.passes.ops import strip_wrappers
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     ref, inputs = llama.build_tp_sp(mesh, **NAMED)
@@ -139,7 +140,7 @@ def check_names_and_overrides(inner: str):
         want = {"forward": eager_check.step(ref, inputs, seed=3), **eager_check.grads(ref)}
         out = eager_check.step(model, inputs, seed=3)
         # parameter names as the user sees them: without the wrappers' attributes
-        got = {"forward": out, **{blocks.strip_wrappers(k): g for k, g in eager_check.grads(model).items()}}
+        got = {"forward": out, **{strip_wrappers(k): g for k, g in eager_check.grads(model).items()}}
     finally:
         blocks.PerBlock.program = program
         logging.getLogger("overlapc").removeHandler(handler)
