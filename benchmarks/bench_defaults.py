@@ -110,14 +110,11 @@ def write_report(name: str, title: str, model: dict, rows: list[dict], cmd: str)
     for r in rows:
         for n in ("default", "measure"):
             got = r.get("variants", {}).get(n, {}).get("adapted") or []
-            text = (
-                "; ".join(
-                    f"{g}: {kept} ({p:.0f} / {b:.0f}" + (f" / {a:.0f})" if a is not None else ")")
-                    for g, kept, p, b, *rest in got
-                    for a in [rest[0] if rest else None]
-                )
-                or "no graph raced"
-            )
+            cells = [
+                f"{g}: {kept} ({p:.0f} / {b:.0f}" + ("" if a is None else f" / {a:.0f}") + ")"
+                for g, kept, p, b, a in got
+            ]
+            text = "; ".join(cells) or "no graph raced"
             lines.append(f"- {r['rate_mbit']:.0f} Mbit/s, world {r['world_size']}, {r['mode']}, {n}: {text}")
     body = "\n".join(lines)
     return common.write_run_report(

@@ -105,22 +105,23 @@ def compile_graph(gm, example_inputs, opts: Options, be: Backend):
 
     # Called inside dynamo's compile of the first call: the running modules tell which block
     # of which model this graph is (module.compile() per block; see overlapc/blocks.py).
-    loc = locate(gm) if _has_collectives(gm) else None
+    colls = _has_collectives(gm)
+    loc = locate(gm) if colls else None
     if loc is not None and loc.prefix:
         return compile_per_block(
             gm,
             loc,
             opts,
-            lambda g, serving: _compile_graph(g, example_inputs, opts, be, serving),
+            lambda g, serving: _compile_graph(g, example_inputs, opts, be, serving, colls),
             lambda rows: _add_rows_locked(be, rows),
         )
-    return _compile_graph(gm, example_inputs, opts, be, None)
+    return _compile_graph(gm, example_inputs, opts, be, None, colls)
 
 
-def _compile_graph(gm, example_inputs, opts: Options, be: Backend, serving):
+def _compile_graph(gm, example_inputs, opts: Options, be: Backend, serving, colls: bool):
     from .buckets import BucketedGraph, symbolic_inputs
 
-    values = symbolic_inputs(gm) if _has_collectives(gm) else None
+    values = symbolic_inputs(gm) if colls else None
     if values is not None:
         # Sizes are symbols: plan and compile per shape bucket, at the first call in it.
         bucketed = BucketedGraph(gm, values, lambda g, fakes: _compile_static(g, fakes, opts, be, serving))
@@ -146,10 +147,9 @@ def _add_rows_locked(be: Backend, rows, serving=None) -> None:
 def _alternative(gm, kind: str, opts: Options, be: Backend, serving, planned_rows):
     """The plan of the other family for option adapt to race: micro-batch slices alone where
     the planner chose row chunks, row chunks where it chose slices; (graph, report rows,
-    label), or None where ``microbatches`` is the user's number or the alternative changes
-    nothing or plans the same. Every rank makes the same one (it is planned like any graph)."""
-    if opts.microbatches != "auto":
-        return None
+    label), or None where the alternative changes nothing or plans the same. Only where
+    ``microbatches`` is "auto" (a number is the user's choice). Every rank makes the same one
+    (it is planned like any graph)."""
     sliced = any(r.pattern == "microbatch" and r.status == "rewritten" for r in planned_rows)
     if sliced:
         label, alt = "row chunks, no slices", Options.from_user(opts, microbatches=1)
@@ -272,13 +272,14 @@ def _compile_eager(gm, example_inputs, opts, be, serving=None):
             from .runtime.waits import name_waits
 
             base = copy_graph_module(g) if may_adapt(opts) else None
-            other = copy_graph_module(g) if base is not None else None
+            # microbatches "auto": the planner chose between slices and row chunks; race the other
+            other = copy_graph_module(g) if base is not None and opts.microbatches == "auto" else None
             sites = _run_passes(g, kind, opts, be, serving)
             # A failing chunked collective names its site and chunk.
             planned = make_boxed_func(name_waits(g).forward)
             ranks = base is not None and race_ranks(bool(g.meta.get("overlapc_changed")), sites)
             if ranks:
-                alt = _alternative(other, kind, opts, be, serving, sites)
+                alt = _alternative(other, kind, opts, be, serving, sites) if other is not None else None
                 if alt is not None:
                     alt = (make_boxed_func(name_waits(alt[0]).forward), *alt[1:])
                 return Adaptive(

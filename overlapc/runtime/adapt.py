@@ -100,10 +100,8 @@ class Adaptive:
         mine = [statistics.median(self.times[n]) for n in self.order]
         got = _exchange("adapt/" + "_".join(map(str, self.ranks)), self.ranks, mine)
         slowest = {n: max(g[i] for g in got) for i, n in enumerate(self.order)}
-        # A rewrite is kept only where it beats the baseline; of two that do, the faster.
+        # The fastest; on a tie the baseline: a rewrite is kept only where it beats it.
         self.kept = min(self.order, key=lambda n: (slowest[n], n != "baseline"))
-        if slowest[self.kept] >= slowest["baseline"]:
-            self.kept = "baseline"
         self.fns = {self.kept: self.fns[self.kept]}  # the other programs' memory goes
         planned, baseline = slowest["planned"], slowest["baseline"]
         measured = {
