@@ -54,6 +54,7 @@ class _Patched:
         if self.cache_dir:
             cost.CACHE_DIR = Path(self.cache_dir)
         live._MEMO.clear()
+        live._CHECKED.clear()
         return self.calls
 
     def __exit__(self, *exc):
@@ -61,6 +62,7 @@ class _Patched:
 
         live.collective_fn, cost.CACHE_DIR = self.saved
         live._MEMO.clear()
+        live._CHECKED.clear()
 
 
 def _sites(be):
@@ -125,9 +127,11 @@ def test_slow_link_rewrites_fast_link_skips(world2, tmp_path):
         assert r["bf16"]["numbers"] == "measured" and r["bf16"]["measured"] > 0, r
 
 
-def disk_cache_job(cache_dir: str, corrupt: bool) -> dict:
-    """Job: a fresh process memory (memo cleared) reads rank 0's disk cache; a corrupt file
-    is ignored with a warning and measured again."""
+def disk_cache_job(cache_dir: str, corrupt: bool, rate: float = 100e6) -> dict:
+    """Job: a fresh process memory (memo cleared) reads rank 0's disk cache and times its
+    largest size once more; a corrupt file is ignored with a warning and measured again; a
+    link of another ``rate`` than the file's makes the file stale: measured again, logged."""
+    import logging
     import warnings
     from pathlib import Path
 
@@ -142,16 +146,31 @@ def disk_cache_job(cache_dir: str, corrupt: bool) -> dict:
     def fn(x, w):
         return funcol.all_gather_tensor(x, gather_dim=0, group=group) @ w
 
+    class Logged(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    logged = Logged()
+    logging.getLogger("overlapc").addHandler(logged)
     torch._dynamo.reset()
     be = overlapc.backend(inner="eager", microbatches=1, measure=True)
-    with _Patched(100e6, cache_dir) as calls, warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        torch.compile(fn, backend=be)(torch.randn(256, 1024), torch.randn(1024, 1024))
+    try:
+        with _Patched(rate, cache_dir) as calls, warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.compile(fn, backend=be)(torch.randn(256, 1024), torch.randn(1024, 1024))
+    finally:
+        logging.getLogger("overlapc").removeHandler(logged)
     (site,) = [s for s in _sites(be).values() if s.pattern == "all_gather_matmul"]
     return {
         "numbers": site.details["predicted"]["numbers"],
+        "status": site.status,
         "measured": len(calls),
         "warned": any("corrupt measurement cache" in str(w.message) for w in seen),
+        "stale": any("is stale" in line for line in logged.lines),
     }
 
 
@@ -160,10 +179,25 @@ def test_disk_cache_and_corrupt_file(world2, tmp_path):
     cache = str(tmp_path / "cache")
     world2.run(live_job, {"rate": 100e6}, cache)  # fills the disk cache
     for r in world2.run(disk_cache_job, cache, False):
-        assert r == {"numbers": "cached", "measured": 0, "warned": False}, r
+        # one size timed again to check the file; the numbers stay the file's
+        assert r == {"numbers": "cached", "status": "rewritten", "measured": 1, "warned": False, "stale": False}, r
     r0, r1 = world2.run(disk_cache_job, cache, True)
     assert r0["warned"] and not r1["warned"], (r0, r1)
-    assert r0["numbers"] == r1["numbers"] == "measured" and r0["measured"] == r1["measured"] > 0, (r0, r1)
+    assert r0["numbers"] == r1["numbers"] == "measured" and r0["measured"] == r1["measured"] > 1, (r0, r1)
+
+
+@pytest.mark.distributed
+def test_stale_disk_cache_is_measured_again(world2, tmp_path):
+    """The same ranks and hosts on a link 1000x faster than the file's (a job moved, a
+    benchmark at another rate): the file's numbers would rewrite the site; the check finds
+    them stale, the group is measured again and the site is skipped, as on a fresh cache."""
+    cache = str(tmp_path / "cache")
+    world2.run(live_job, {"rate": 100e6}, cache)
+    for r in world2.run(disk_cache_job, cache, False, 100e9):
+        assert r["stale"] and r["numbers"] == "measured" and r["measured"] > 1, r
+        assert r["status"] == "skipped", r
+    for r in world2.run(disk_cache_job, cache, False, 100e9):  # the file now holds the fast link
+        assert not r["stale"] and r["numbers"] == "cached" and r["measured"] == 1, r
 
 
 def mismatch_job() -> str:

@@ -20,7 +20,9 @@ Every rank of the group takes part in the same measurements in the same order:
 Times are cached per (backend, ranks, hosts, kind, dtype, elements), in memory and in
 ``$OVERLAPC_CACHE/live/`` (rank 0's file is the one read, and its numbers are sent to the
 others): a recompile, a later shape bucket or the next run measures nothing it has. A
-corrupt cache file is ignored with a warning.
+corrupt cache file is ignored with a warning. The first use of a disk cache in a process
+times its largest size once more: one off by more than ``STALE`` (a link that changed under
+the same hosts) drops the file's numbers, and the group is measured again.
 """
 
 from __future__ import annotations
@@ -51,8 +53,19 @@ SLOW_S = 0.05
 MERGE = 0.15
 """Sizes within this fraction of one already requested are measured once."""
 
+STALE = 1.5
+"""A disk cache whose largest size now times more than this factor off its cached time (either
+way) is stale: the network changed under the same ranks and hosts. Above the noise between
+repeated measurements of one size, below the gap between link rates worth replanning for."""
+
 _MEMO: dict[tuple, float] = {}
 """(backend, ranks, hosts, kind, dtype, elements) -> seconds: this process's measurements."""
+_CHECKED: set[tuple] = set()
+"""(backend, ranks, hosts) whose disk cache this process has checked against the live group."""
+SPENT: list[dict] = []
+"""One entry per graph whose collectives were priced from the live group: its kind, seconds
+spent measuring (and checking) at compile time, sizes measured and cached. Benchmarks read
+it to report the compile time measurement adds."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +143,7 @@ def measured_profile(graph, base, options, graph_kind: str = ""):
                 sources[(need.kind, world)] = how
     if not curves:
         return base
+    SPENT.append({"graph": graph_kind, "seconds": time.perf_counter() - t0, **counts})
     from overlapc.passes.cost import _monotone
 
     # Two groups of one size (a 2-D mesh's TP and DP groups) share the curves: per size, the
@@ -171,11 +185,15 @@ def _measure_group(pg, name: str, needs: list[Need], options, graph_kind: str):
     on_rank0 = dist.get_rank() == ranks[0]
     # Rank 0's numbers (memory, then its disk cache) are everyone's: a rank with a cache of
     # its own must not measure less than the others (its collectives would have no peers).
-    known, on_disk = {}, {}
+    known, on_disk, check = {}, {}, None
     if on_rank0:
         on_disk = _load_disk(key)
         known = {n: _MEMO[key + dataclasses.astuple(n)] for n in needs if key + dataclasses.astuple(n) in _MEMO}
-        known.update({n: t for n, t in on_disk.items() if n in needs and n not in known})
+        from_disk = {n: t for n, t in on_disk.items() if n in needs and n not in known}
+        known.update(from_disk)
+        if from_disk and key not in _CHECKED:
+            largest = max(from_disk, key=lambda n: (n.nbytes, dataclasses.astuple(n)))
+            check = [dataclasses.astuple(n) for n in from_disk] + [dataclasses.astuple(largest) + (from_disk[largest],)]
     linked = (backend, tuple(ranks)) in _Link.GROUPS
     shared = _exchange(
         f"live/{name}",
@@ -184,15 +202,40 @@ def _measure_group(pg, name: str, needs: list[Need], options, graph_kind: str):
             "known": [dataclasses.astuple(n) + (t,) for n, t in known.items()],
             "nonce": os.urandom(8).hex(),
             "linked": linked,
+            "check": check,
         },
     )
     if not all(g["linked"] for g in shared):  # a rank lost its link (a restarted worker): all make a new one
         _Link.GROUPS.pop((backend, tuple(ranks)), None)
     shared = shared[0]
     known = {Need(*row[:3]): row[3] for row in shared["known"]}
-    times, spent = dict(known), 0.0
     t0 = time.perf_counter()
-    link = None
+    link, stale = None, False
+    _CHECKED.add(key)
+    if shared["check"]:
+        # Every rank times rank 0's largest cached size: the same collective, the same verdict.
+        *from_disk, (kind, dtype, numel, cached) = shared["check"]
+        need = Need(kind, dtype, numel)
+        link = _Link.open(backend, ranks, shared["nonce"], options)
+        now = _time_collective(link, need)
+        if not 1 / STALE <= now / cached <= STALE:
+            stale = True
+            log.warning(
+                "overlapc: the measurement cache of group %s is stale (%s %s x%d: %.2f ms cached, %.2f ms now); "
+                "measuring the group again",
+                name,
+                kind,
+                dtype,
+                numel,
+                cached * 1e3,
+                now * 1e3,
+            )
+            for row in from_disk:
+                known.pop(Need(*row), None)
+    times, spent = dict(known), 0.0
+    if stale:
+        times[need] = now
+        spent = now * (REPS + 1)
     for need in needs:
         if need in times:
             continue
@@ -204,8 +247,8 @@ def _measure_group(pg, name: str, needs: list[Need], options, graph_kind: str):
         spent += t * (REPS + 1)
     for need, t in times.items():
         _MEMO[key + dataclasses.astuple(need)] = t
-    if on_rank0 and len(times) > len(known):
-        _save_disk(key, {**on_disk, **times})
+    if on_rank0 and (stale or len(times) > len(known)):
+        _save_disk(key, times if stale else {**on_disk, **times})
     log.info(
         "overlapc: measured %d collective size(s) on group %s in %.2f s (%d cached)",
         len(times) - len(known),
