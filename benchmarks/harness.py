@@ -15,6 +15,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import common
-from overlapc.runtime import adapt
+from overlapc.runtime import adapt, live
 
 
 @dataclass(frozen=True)
@@ -140,8 +141,14 @@ def bench_job(cfg: dict) -> dict:
     # captured program alternately for 2 * (1 + adapt) calls before it keeps one; timing those
     # calls would time a mix of the two, not what a training job runs from then on.
     settle = adapt.settle_calls(max((be.options.adapt for _, _, be, _ in variants.values()), default=0))
+    # The first call compiles (forward and backward); what the live-group measurement spent
+    # in it is live.SPENT's new entries (rank 0's; every rank measures together).
+    first = {}
+    for n, s in steps.items():
+        seen = len(live.SPENT)
+        first[n] = {"t": common.timed(s), "measure": live.SPENT[seen:]}
     for s in steps.values():
-        for _ in range(settle):
+        for _ in range(settle - 1):
             s()
     if cfg.get("smoke"):  # run the steps only (debugging)
         for s in steps.values():
@@ -181,6 +188,18 @@ def bench_job(cfg: dict) -> dict:
         print(f"compute-under-comm measurement failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
     result = common.summary(times, comm, loaded)
     result["times"] = times
+    result["compile"] = {
+        n: {
+            "first_s": f["t"],
+            "compile_s": f["t"] - statistics.median(times[n]),
+            "measure_s": sum(m["seconds"] for m in f["measure"]),
+            "graphs": len(f["measure"]),
+            "measured": sum(m["measured"] for m in f["measure"]),
+            "cached": sum(m["cached"] for m in f["measure"]),
+        }
+        for n, f in first.items()
+        if n in times
+    }
     if per_phase is not None:
         result["phases"] = per_phase
     if cfg.get("exposure"):  # one profiled step each, rank 0's waits
@@ -342,8 +361,10 @@ def run(bench: Bench, model: dict, args, **cfg_extra) -> list[dict]:
                 **cfg_extra,
             )
             rate = 400.0 if args.rate == "auto" else float(args.rate)
-            with EmulatedCluster(world_size, rate_mbit=rate) as cluster:
-                with cluster.world(timeout=3600) as world:
+            # A cache of its own per cluster: "no prior calibration" means no measurements of
+            # another run (same hosts, another link rate) either.
+            with EmulatedCluster(world_size, rate_mbit=rate) as cluster, tempfile.TemporaryDirectory() as cache:
+                with cluster.world(timeout=3600, env={"OVERLAPC_CACHE": cache}) as world:
                     if args.rate == "auto":
                         # T_comm scales with 1/rate: aim at T_comm == T_compute.
                         for _ in range(2):
