@@ -144,25 +144,30 @@ def _add_rows_locked(be: Backend, rows, serving=None) -> None:
         _add_rows(be, rows, serving)
 
 
-def _alternative(gm, kind: str, opts: Options, be: Backend, serving, planned_rows):
-    """The plan of the other family for option adapt to race: micro-batch slices alone where
-    the planner chose row chunks, row chunks where it chose slices; (graph, report rows,
-    label), or None where the alternative changes nothing or plans the same. Only where
-    ``microbatches`` is "auto" (a number is the user's choice). Every rank makes the same one
-    (it is planned like any graph)."""
-    sliced = any(r.pattern == "microbatch" and r.status == "rewritten" for r in planned_rows)
-    if sliced:
-        label, alt = "row chunks, no slices", Options.from_user(opts, microbatches=1)
-    else:
-        label, alt = "2 micro-batch slices", Options.from_user(opts, microbatches=2, strategy="none")
-    rows = _run_passes(gm, kind, alt, be, serving, record=False)
+def _alternative_options(opts: Options, planned_rows) -> tuple[str, Options]:
+    """The other family's options for option adapt to race (only where ``microbatches`` is
+    "auto": a number is the user's choice): micro-batch slices alone where the planner chose
+    row chunks, row chunks where it chose slices. Every rank plans it like any graph."""
+    if any(r.pattern == "microbatch" and r.status == "rewritten" for r in planned_rows):
+        return "row chunks, no slices", Options.from_user(opts, microbatches=1)
+    return "2 micro-batch slices", Options.from_user(opts, microbatches=2, strategy="none")
+
+
+def _differs(changed: bool, rows, planned_rows) -> bool:
+    """Whether an alternative's plan is worth racing: it changes the graph, and not as planned."""
 
     def plan(rs):
         return sorted((r.name, r.status, r.strategy, r.chunks) for r in rs)
 
-    if not gm.meta.get("overlapc_changed") or plan(rows) == plan(planned_rows):
-        return None
-    return gm, rows, label
+    return changed and plan(rows) != plan(planned_rows)
+
+
+def _alternative(gm, kind: str, opts: Options, be: Backend, serving, planned_rows):
+    """The alternative (see ``_alternative_options``) applied to ``gm``: (graph, report rows,
+    label), or None where it changes nothing or plans the same."""
+    label, alt = _alternative_options(opts, planned_rows)
+    rows = _run_passes(gm, kind, alt, be, serving, record=False)
+    return (gm, rows, label) if _differs(bool(gm.meta.get("overlapc_changed")), rows, planned_rows) else None
 
 
 def _has_collectives(gm) -> bool:
@@ -307,8 +312,8 @@ def _overlap_pass_class():
     class OverlapPass(CustomGraphPass):
         """inductor post-grad custom pass; the graph kind comes from the inner-compile call."""
 
-        def __init__(self, opts: Options, be: Backend, serving=None):
-            self.opts, self.be, self.serving = opts, be, serving
+        def __init__(self, opts: Options, be: Backend, serving=None, record: bool = True):
+            self.opts, self.be, self.serving, self.record = opts, be, serving, record
             self.kind = "forward"
             self.rewritten: list[str] = []
             self.sites: list = []
@@ -316,7 +321,7 @@ def _overlap_pass_class():
 
         def __call__(self, graph: torch.fx.Graph) -> None:
             gm = graph.owning_module
-            sites = _run_passes(gm, self.kind, self.opts, self.be, self.serving)
+            sites = _run_passes(gm, self.kind, self.opts, self.be, self.serving, record=self.record)
             self.sites, self.changed = sites, bool(gm.meta.get("overlapc_changed"))
             self.rewritten = [s.name for s in sites if s.status == "rewritten"]
             from .runtime.dropless import pipelines_of
@@ -342,44 +347,67 @@ def _compile_inductor(gm, example_inputs, opts, be, serving=None):
 
     from .runtime.adapt import Adaptive, may_adapt, race_ranks
 
+    def order_kept():
+        # The pass may switch scheduler settings for its graph (see _keep_order_in_inductor);
+        # they are restored for the next one.
+        return inductor_config.patch(
+            {k: getattr(inductor_config, k) for k in _ORDER_SETTINGS if hasattr(inductor_config, k)}
+        )
+
+    def compile_beside(g, inputs, kw, graph_pass):
+        """``g`` compiled again beside the planned program (the baseline: no pass; the
+        alternative: its own): its callable, or None where its outputs are laid out otherwise.
+        The tracing context holds the output strides of one compile (the planned one's, which
+        AOTAutograd uses): this compile must not see or keep its own."""
+        ctx = torch._guards.TracingContext.try_get()
+        strides = list(ctx.output_strides) if ctx is not None and ctx.output_strides is not None else None
+        if strides is not None:
+            ctx.output_strides.clear()
+        try:
+            with order_kept(), inductor_config.patch({"post_grad_custom_post_pass": graph_pass}):
+                out = compile_fx_inner(g, inputs, **kw)
+            same = strides is None or list(ctx.output_strides) == strides
+        finally:
+            if strides is not None:
+                ctx.output_strides[:] = strides
+        if not same:  # AOTAutograd would restride its outputs wrongly
+            log.info("overlapc: %s graph: a raced program's outputs have other strides; not raced", pass_.kind)
+            return None
+        return out.current_callable if callable(getattr(out, "current_callable", None)) else None
+
     def inner_compile(g, inputs, **kw):
         pass_.kind = "backward" if kw.get("is_backward") else "inference" if kw.get("is_inference") else "forward"
-        # The pass may switch scheduler settings for this graph (see _keep_order_in_inductor);
-        # restore them for the next one.
         pass_.rewritten, pass_.sites, pass_.changed = [], [], False
         base = copy_graph_module(g) if may_adapt(opts) else None  # before the passes change g
-        with inductor_config.patch(
-            {k: getattr(inductor_config, k) for k in _ORDER_SETTINGS if hasattr(inductor_config, k)}
-        ):
+        # microbatches "auto": the planner chose between slices and row chunks; race the other
+        other = copy_graph_module(g) if base is not None and opts.microbatches == "auto" else None
+        with order_kept():
             out = compile_fx_inner(g, inputs, **kw)
         _name_failures(out, pass_.kind, pass_.rewritten)
         ranks = base is not None and race_ranks(pass_.changed, pass_.sites)
-        if ranks and callable(getattr(out, "current_callable", None)):
-            # The graph as captured, compiled without overlapc's pass: the program to beat.
-            # The tracing context holds the output strides of one compile (the planned one's,
-            # which AOTAutograd uses): the second compile must not see or keep its own.
-            ctx = torch._guards.TracingContext.try_get()
-            strides = list(ctx.output_strides) if ctx is not None and ctx.output_strides is not None else None
-            if strides is not None:
-                ctx.output_strides.clear()
-            try:
-                with inductor_config.patch({"post_grad_custom_post_pass": None}):
-                    baseline = compile_fx_inner(base, inputs, **kw)
-                same = strides is None or list(ctx.output_strides) == strides
-            finally:
-                if strides is not None:
-                    ctx.output_strides[:] = strides
-            if not same:  # outputs laid out otherwise: AOTAutograd would restride them wrongly
-                log.info("overlapc: %s graph: the baseline's outputs have other strides; not adapted", pass_.kind)
-            elif callable(getattr(baseline, "current_callable", None)):
-                out.current_callable = Adaptive(
-                    out.current_callable,
-                    baseline.current_callable,
-                    kind=pass_.kind,
-                    rows=pass_.sites,
-                    ranks=ranks,
-                    steps=opts.adapt,
-                )
+        if not ranks or not callable(getattr(out, "current_callable", None)):
+            return out
+        baseline = compile_beside(base, inputs, kw, None)  # the graph as captured: the program to beat
+        if baseline is None:
+            return out
+        alt = None
+        if other is not None:
+            label, alt_opts = _alternative_options(opts, pass_.sites)
+            alt_pass = _overlap_pass_class()(alt_opts, be, serving, record=False)
+            alt_pass.kind = pass_.kind
+            fn = compile_beside(other, inputs, kw, alt_pass)
+            if fn is not None and _differs(alt_pass.changed, alt_pass.sites, pass_.sites):
+                alt = (fn, alt_pass.sites, label)
+        out.current_callable = Adaptive(
+            out.current_callable,
+            baseline,
+            kind=pass_.kind,
+            rows=pass_.sites,
+            ranks=ranks,
+            steps=opts.adapt,
+            alternative=alt,
+            add_rows=lambda rows: _add_rows_locked(be, rows, serving),
+        )
         return out
 
     patches = {"post_grad_custom_post_pass": pass_, "fx_graph_cache": False}

@@ -146,7 +146,7 @@ def test_adapt_keeps_a_faster_alternative(world2):
         assert m["kept"] == "alternative" and m["alternative_ms"] < m["planned_ms"] < m["baseline_ms"], m
 
 
-def compiled_alternative_job() -> dict:
+def compiled_alternative_job(inner: str) -> dict:
     """A graph the planner chunks by rows, compiled with microbatches "auto": option adapt
     also compiles two micro-batch slices and races them; every call equals eager."""
     from overlapc import Backend, Options
@@ -157,7 +157,7 @@ def compiled_alternative_job() -> dict:
     def fn(x, w):
         return funcol.all_gather_tensor(x, 1, group) @ w
 
-    opts = Options(inner="eager", adapt=2, overrides={"*": {"strategy": "decompose", "chunks": 2}})
+    opts = Options(inner=inner, adapt=2, overrides={"*": {"strategy": "decompose", "chunks": 2}})
     be = Backend(opts)
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend=be, fullgraph=True)
@@ -170,8 +170,9 @@ def compiled_alternative_job() -> dict:
 
 
 @pytest.mark.distributed
-def test_adapt_races_the_slices_alternative(world2):
-    got = world2.run(compiled_alternative_job)
+@pytest.mark.parametrize("inner", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_adapt_races_the_slices_alternative(world2, inner):
+    got = world2.run(compiled_alternative_job, inner)
     assert got[0] == got[1], got  # agreed
     assert got[0].get("alternative") == "2 micro-batch slices", got[0]
     assert {"planned_ms", "alternative_ms", "baseline_ms"} <= got[0].keys(), got[0]
