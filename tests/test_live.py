@@ -117,6 +117,11 @@ def test_slow_link_rewrites_fast_link_skips(world2, tmp_path):
     for r in fast:
         assert r["first"]["status"] == "skipped" and r["first"]["numbers"] == "measured", r
     assert slow[0]["first"]["profile"].endswith("+measured")
+    # sizes 1/8, 1/4, 1/2 and 1 of the collective, smallest first: on the slow link the first
+    # two already take twice the time for twice the bytes, so the larger two are left to the
+    # curve; on the fast one every size is latency-bound and measured
+    assert [r["first"]["measured"] for r in slow] == [2, 2], slow
+    assert [r["first"]["measured"] for r in fast] == [4, 4], fast
     # every rank holds the slowest rank's numbers: the same predicted gain everywhere
     assert slow[0]["first"]["gain"] == slow[1]["first"]["gain"]
     for r in slow + fast:

@@ -48,8 +48,14 @@ BUDGET_S = 2.0
 """Seconds of measurement per compiled graph; sizes left when it is spent are priced by the
 model (the curve's last segment extended, or the profile's link)."""
 REPS = 3
-"""Timed runs per size after a warm-up (one where a run takes longer than ``SLOW_S``)."""
+"""Timed runs per size after a warm-up (one where a run takes longer than ``SLOW_S``; none
+where the link is warm and the first run takes that long)."""
 SLOW_S = 0.05
+LINEAR = 0.9
+"""Sizes of a kind are measured smallest first. Once doubling the bytes takes at least this
+fraction of twice the time, the link is bandwidth-bound there: larger sizes are left to the
+curve's last segment, extended (on a 60 Mbit/s link, the whole and half collectives were
+most of the measurement's time, and lie on that line)."""
 MERGE = 0.15
 """Sizes within this fraction of one already requested are measured once."""
 
@@ -217,7 +223,7 @@ def _measure_group(pg, name: str, needs: list[Need], options, graph_kind: str):
         *from_disk, (kind, dtype, numel, cached) = shared["check"]
         need = Need(kind, dtype, numel)
         link = _Link.open(backend, ranks, shared["nonce"], options)
-        now = _time_collective(link, need)
+        now, _ = _time_collective(link, need)
         if not 1 / STALE <= now / cached <= STALE:
             stale = True
             log.warning(
@@ -236,15 +242,23 @@ def _measure_group(pg, name: str, needs: list[Need], options, graph_kind: str):
     if stale:
         times[need] = now
         spent = now * (REPS + 1)
-    for need in needs:
+    for need in sorted(needs, key=lambda n: (n.kind, n.dtype, n.nbytes)):
         if need in times:
             continue
         if spent >= BUDGET_S:
             break  # agreed: ``spent`` is a sum of agreed times
+        below = sorted(
+            (n.nbytes, t)
+            for n, t in times.items()
+            if (n.kind, n.dtype) == (need.kind, need.dtype) and n.nbytes < need.nbytes
+        )
+        if len(below) >= 2 and below[-1][1] >= LINEAR * below[-2][1] * below[-1][0] / below[-2][0]:
+            continue  # bandwidth-bound: the curve's last segment prices the larger sizes
+        warm = link is not None
         link = link or _Link.open(backend, ranks, shared["nonce"], options)
-        t = _time_collective(link, need)
+        t, runs = _time_collective(link, need, warm)
         times[need] = t
-        spent += t * (REPS + 1)
+        spent += t * runs
     for need, t in times.items():
         _MEMO[key + dataclasses.astuple(need)] = t
     if on_rank0 and (stale or len(times) > len(known)):
@@ -347,8 +361,10 @@ def collective_fn(link: _Link, need: Need):
     return lambda: link.run(need.kind, out, x)
 
 
-def _time_collective(link: _Link, need: Need) -> float:
-    """Seconds of one collective of ``need``, the slowest rank's typical time (barrier before each run)."""
+def _time_collective(link: _Link, need: Need, warm: bool = False) -> tuple[float, int]:
+    """Seconds of one collective of ``need``, the slowest rank's typical time (barrier before
+    each run), and the runs it took. On a ``warm`` link (connections made) a first run longer
+    than ``SLOW_S`` is the time: at that length one run's noise is small against it."""
     from overlapc.calibrate import _typical
 
     run = collective_fn(link, need)
@@ -362,8 +378,10 @@ def _time_collective(link: _Link, need: Need) -> float:
         return time.perf_counter() - t
 
     first = link.slowest(once())  # also the warm-up: connections, allocations
+    if warm and first >= SLOW_S:
+        return first, 1
     reps = REPS if first < SLOW_S else 1
-    return link.slowest(_typical([once() for _ in range(reps)]))
+    return link.slowest(_typical([once() for _ in range(reps)])), 1 + reps
 
 
 def _cache_file(key: tuple):
