@@ -162,6 +162,19 @@ def _differs(changed: bool, rows, planned_rows) -> bool:
     return changed and plan(rows) != plan(planned_rows)
 
 
+def _raced_copies(g, opts: Options):
+    """Copies of ``g`` before the passes change it, for option adapt: the baseline (None where
+    the graph is not adapted) and the graph the alternative is planned on (None unless
+    ``microbatches`` is "auto": the planner chose between slices and row chunks; the other races)."""
+    from overlapc.passes.build import copy_graph_module
+
+    from .runtime.adapt import may_adapt
+
+    base = copy_graph_module(g) if may_adapt(opts) else None
+    other = copy_graph_module(g) if base is not None and opts.microbatches == "auto" else None
+    return base, other
+
+
 def _alternative(gm, kind: str, opts: Options, be: Backend, serving, planned_rows):
     """The alternative (see ``_alternative_options``) applied to ``gm``: (graph, report rows,
     label), or None where it changes nothing or plans the same."""
@@ -271,14 +284,11 @@ def _compile_eager(gm, example_inputs, opts, be, serving=None):
 
     def compiler(kind):
         def compile_fn(g, _inputs):
-            from overlapc.passes.build import copy_graph_module
 
-            from .runtime.adapt import Adaptive, may_adapt, race_ranks
+            from .runtime.adapt import Adaptive, race_ranks
             from .runtime.waits import name_waits
 
-            base = copy_graph_module(g) if may_adapt(opts) else None
-            # microbatches "auto": the planner chose between slices and row chunks; race the other
-            other = copy_graph_module(g) if base is not None and opts.microbatches == "auto" else None
+            base, other = _raced_copies(g, opts)
             sites = _run_passes(g, kind, opts, be, serving)
             # A failing chunked collective names its site and chunk.
             planned = make_boxed_func(name_waits(g).forward)
@@ -343,9 +353,7 @@ def _compile_inductor(gm, example_inputs, opts, be, serving=None):
 
     pass_ = _overlap_pass_class()(opts, be, serving)
 
-    from overlapc.passes.build import copy_graph_module
-
-    from .runtime.adapt import Adaptive, may_adapt, race_ranks
+    from .runtime.adapt import Adaptive, race_ranks
 
     def order_kept():
         # The pass may switch scheduler settings for its graph (see _keep_order_in_inductor);
@@ -378,9 +386,7 @@ def _compile_inductor(gm, example_inputs, opts, be, serving=None):
     def inner_compile(g, inputs, **kw):
         pass_.kind = "backward" if kw.get("is_backward") else "inference" if kw.get("is_inference") else "forward"
         pass_.rewritten, pass_.sites, pass_.changed = [], [], False
-        base = copy_graph_module(g) if may_adapt(opts) else None  # before the passes change g
-        # microbatches "auto": the planner chose between slices and row chunks; race the other
-        other = copy_graph_module(g) if base is not None and opts.microbatches == "auto" else None
+        base, other = _raced_copies(g, opts)
         with order_kept():
             out = compile_fx_inner(g, inputs, **kw)
         _name_failures(out, pass_.kind, pass_.rewritten)

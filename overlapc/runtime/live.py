@@ -199,7 +199,11 @@ def _measure_group(pg, name: str, needs: list[Need], options, graph_kind: str):
         known.update(from_disk)
         if from_disk and key not in _CHECKED:
             largest = max(from_disk, key=lambda n: (n.nbytes, dataclasses.astuple(n)))
-            check = [dataclasses.astuple(n) for n in from_disk] + [dataclasses.astuple(largest) + (from_disk[largest],)]
+            check = {
+                "from_disk": [dataclasses.astuple(n) for n in from_disk],
+                "largest": dataclasses.astuple(largest),
+                "cached": from_disk[largest],
+            }
     linked = (backend, tuple(ranks)) in _Link.GROUPS
     shared = _exchange(
         f"live/{name}",
@@ -216,32 +220,31 @@ def _measure_group(pg, name: str, needs: list[Need], options, graph_kind: str):
     shared = shared[0]
     known = {Need(*row[:3]): row[3] for row in shared["known"]}
     t0 = time.perf_counter()
-    link, stale = None, False
+    link, fresh = None, {}
     _CHECKED.add(key)
-    if shared["check"]:
+    check = shared["check"]
+    if check:
         # Every rank times rank 0's largest cached size: the same collective, the same verdict.
-        *from_disk, (kind, dtype, numel, cached) = shared["check"]
-        need = Need(kind, dtype, numel)
+        largest = Need(*check["largest"])
         link = _Link.open(backend, ranks, shared["nonce"], options)
-        now, _ = _time_collective(link, need)
-        if not 1 / STALE <= now / cached <= STALE:
-            stale = True
+        now, runs = _time_collective(link, largest)
+        if not 1 / STALE <= now / check["cached"] <= STALE:
             log.warning(
                 "overlapc: the measurement cache of group %s is stale (%s %s x%d: %.2f ms cached, %.2f ms now); "
                 "measuring the group again",
                 name,
-                kind,
-                dtype,
-                numel,
-                cached * 1e3,
+                largest.kind,
+                largest.dtype,
+                largest.numel,
+                check["cached"] * 1e3,
                 now * 1e3,
             )
-            for row in from_disk:
+            for row in check["from_disk"]:
                 known.pop(Need(*row), None)
-    times, spent = dict(known), 0.0
-    if stale:
-        times[need] = now
-        spent = now * (REPS + 1)
+            fresh = {largest: (now, runs)}
+    stale = bool(fresh)
+    times = {**known, **{n: t for n, (t, _) in fresh.items()}}
+    spent = sum(t * runs for t, runs in fresh.values())
     for need in sorted(needs, key=lambda n: (n.kind, n.dtype, n.nbytes)):
         if need in times:
             continue
