@@ -14,7 +14,10 @@ times the baseline and, in the same run:
 - decompose: ``strategy="decompose"``, counts by the planner under a profile calibrated inside
   this cluster (the harness's overlapc row);
 - auto-calibrated: ``strategy="auto"`` under that calibrated profile;
-- slices: ``microbatches=2, strategy="none"``.
+- slices: ``microbatches=2, strategy="none"`` (reduce-scatters as all-to-alls, as the others
+  run them on gloo: strategy "none" alone keeps the backend's own);
+- native RS: the defaults with ``reduce_scatter="native"``: what running reduce-scatters as
+  all-to-alls on gloo (passes/scatter.py) adds to the default, in the same run.
 
 "default / best" is the default's speedup over the best of the last three. Writes
 benchmarks/reports/DATE_HOST_defaults_MODEL.md and a section of BENCHMARKS.md.
@@ -44,7 +47,8 @@ VARIANTS = [
     ["default", "hardware=null"],
     ["again", "hardware=null"],
     ["auto-calibrated", "strategy=auto"],
-    ["slices", "microbatches=2", "strategy=none"],
+    ["slices", "microbatches=2", "strategy=none", "reduce_scatter=all_to_all"],
+    ["native RS", "hardware=null", "reduce_scatter=native"],
 ]
 BEST_OF = ("decompose", "auto-calibrated", "slices")
 
@@ -90,8 +94,8 @@ def write_report(name: str, title: str, model: dict, rows: list[dict], cmd: str)
         f"Reproduce: `{cmd}`",
         "",
         "| link Mbit/s | world | step | T_base | T_comm | T_compute | default | again | decompose | "
-        "auto-calibrated | slices | default / best |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "auto-calibrated | slices | default / best | native RS |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         v = {n: x["t"] for n, x in r.get("variants", {}).items()}
@@ -101,7 +105,9 @@ def write_report(name: str, title: str, model: dict, rows: list[dict], cmd: str)
             f"| {r['rate_mbit']:.0f} | {r['world_size']} | {r['mode']} | {r['t_base'] * 1e3:.0f} ms | "
             f"{r['t_comm'] * 1e3:.0f} ms | {r['t_compute'] * 1e3:.0f} ms | "
             + " | ".join(_cell(r["t_base"], v[n]) if n in v else "n/a" for n in ("default", "again", *BEST_OF))
-            + f" | {best / v['default']:.2f} |"
+            + f" | {best / v['default']:.2f} | "
+            + (_cell(r["t_base"], v["native RS"]) if "native RS" in v else "n/a")
+            + " |"
         )
     lines += [
         "",

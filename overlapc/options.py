@@ -19,6 +19,7 @@ from .errors import OverlapError
 
 INNER = ("inductor", "eager")
 STRATEGIES = ("auto", "decompose", "fuse", "none")
+REDUCE_SCATTERS = ("auto", "all_to_all", "native")
 SITE_OVERRIDABLE = ("strategy", "chunks")
 
 
@@ -64,6 +65,10 @@ class Options:
     that uses them is compiled (overlapc/runtime/lanes.py). 0 (the default): every collective on its group,
     gloo's collective kinds kept apart; on a shaped link that measured as fast or faster (BENCHMARKS.md,
     "Wire-bound"). Other backends ignore it."""
+    reduce_scatter: str = "auto"
+    """How reduce-scatters run: "all_to_all" (an all-to-all, then each rank sums the blocks it received),
+    "native" (the backend's own) or "auto": all-to-all on gloo groups, whose reduce-scatter is an all-reduce
+    moving twice the bytes (passes/scatter.py); native elsewhere. Not applied under strategy "none"."""
     timeout: float = 300.0
     """Seconds a fused op may wait for its peers before it raises an error naming the op (strategy "fuse")."""
     mode: str | None = None
@@ -73,6 +78,7 @@ class Options:
         _check_choice("inner", self.inner, INNER)
         _check_choice("strategy", self.strategy, STRATEGIES)
         _check_chunks("chunks", self.chunks)
+        _check_choice("reduce_scatter", self.reduce_scatter, REDUCE_SCATTERS)
         if isinstance(self.min_bytes, bool) or not isinstance(self.min_bytes, int) or self.min_bytes < 0:
             raise OverlapError(f"option 'min_bytes' must be an int >= 0; got {self.min_bytes!r}")
         if self.microbatches != "auto" and (

@@ -41,12 +41,15 @@ symmetric memory (a GPU profile planned on a machine without CUDA says why not).
 
 from __future__ import annotations
 
+import dataclasses
+
 from overlapc.errors import OverlapError
 from overlapc.options import Options
 from overlapc.runtime import symm
 
 from . import all_to_all, cost, dropless, fuse, lower, ops
 from .deps import DepGraph
+from .scatter import lowered_groups
 from .sites import MatchedSite
 
 MAX_AUTO_CHUNKS = 4
@@ -170,7 +173,12 @@ def graph_profile(graph, graph_kind: str, options: Options) -> cost.Profile | No
         return None
     from overlapc.runtime import live
 
-    return live.measured_profile(graph, cost.load_profile(options.hardware), options, graph_kind)
+    base = cost.load_profile(options.hardware)
+    if lowered_groups(graph, options):
+        # Its reduce-scatters run as all-to-alls (passes/scatter.py): priced as what runs, not
+        # as the backend's reduce-scatter the profile measured (gloo's: an all-reduce).
+        base = dataclasses.replace(base, rs_factor=1.0, rs_large=())
+    return live.measured_profile(graph, base, options, graph_kind)
 
 
 def plan_sites(sites: list[MatchedSite], options: Options, deps: DepGraph, profile: cost.Profile | None = None) -> None:

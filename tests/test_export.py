@@ -21,7 +21,7 @@ from overlapc.models import megatron
 from overlapc.passes import ops
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-COLLECTIVES = (ops.ALL_GATHER, ops.REDUCE_SCATTER, ops.ALL_REDUCE)
+COLLECTIVES = (ops.ALL_GATHER, ops.REDUCE_SCATTER, ops.ALL_REDUCE, ops.ALL_TO_ALL)  # gloo: RS runs as all-to-all
 
 
 class NoComm(nn.Module):

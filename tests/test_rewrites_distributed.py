@@ -18,6 +18,10 @@ Tolerances (measured maxima are far below them, see test output with -s):
   element's sum of k partials on W ranks is rounded at other points. The error is then a few
   ulp of the largest partial sum, not of the (possibly cancelled) result: atol grows to
   2 ulp of the largest reference value, 2^-6 * max|ref|.
+- bf16 at world > 2, reduce-scatters: on gloo they run as an all-to-all and a local sum
+  (passes/scatter.py), which rounds the sum of W partials once, where gloo's all-reduce rounds
+  it at each of W - 1 steps. The difference is again a few ulp of the largest partial sum: the
+  same atol. (At world 2 both round the one add once: equal.)
 """
 
 from __future__ import annotations
@@ -205,7 +209,7 @@ def run_case(case) -> dict:
     for i, (a, b) in enumerate(zip(out + grads, ref_out + ref_grads)):
         what = f"rank {rank} {case} {'output' if i < len(out) else 'grad'} {i}"
         tol = dict(TOL[dtype])
-        if dtype == torch.bfloat16 and case["program"] in ("col_ar", "par_ar"):
+        if dtype == torch.bfloat16 and (case["program"] in ("col_ar", "par_ar") or dist.get_world_size(group) > 2):
             tol["atol"] = max(tol["atol"], 2**-6 * b.abs().max().item())
         torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{what}: {m}")
         err = max(err, (a.float() - b.float()).abs().max().item())

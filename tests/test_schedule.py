@@ -143,13 +143,15 @@ def test_row_chunks_chain_from_gather_to_scatter(fake_mesh8):
     assert set(waits) <= _ancestors(first_rs)
 
 
-def test_gloo_all_gathers_are_chained(fake_mesh8, monkeypatch):
+@pytest.mark.parametrize("rs_as", ["native", "all_to_all"])
+def test_gloo_all_gathers_are_chained(fake_mesh8, monkeypatch, rs_as):
     """On gloo, a chunk's all-gather is issued only after the previous chunk was waited on;
-    with more than one gloo worker thread, the reduce-scatters (another gloo algorithm) only
-    after every all-gather of the run before them was waited on."""
+    with more than one gloo worker thread, the reduce-scatters (another gloo algorithm, run
+    natively or as all-to-alls) only after every all-gather of the run before them was waited on."""
     monkeypatch.setattr(ops, "group_backend", lambda name: "gloo")
     monkeypatch.setattr(ops, "group_comm_threads", lambda name: 2)
-    report, graphs = capture(ag_mm_rs, *_inputs(), options={"strategy": "decompose", "chunks": CHUNKS, "lanes": 0})
+    opts = {"strategy": "decompose", "chunks": CHUNKS, "lanes": 0, "reduce_scatter": rs_as}
+    report, graphs = capture(ag_mm_rs, *_inputs(), options=opts)
     ((_, gm),) = graphs
     seq = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(seq)}
@@ -163,7 +165,7 @@ def test_gloo_all_gathers_are_chained(fake_mesh8, monkeypatch):
         assert pos[nxt] < pos[mm]
     after = serialize_collectives(seq)
     assert [n for n in after if n.target is ops.ALL_GATHER] == ags[1:]
-    rss = [n for n in seq if n.target is ops.REDUCE_SCATTER]
+    rss = [n for n in seq if n.target is {"native": ops.REDUCE_SCATTER, "all_to_all": ops.ALL_TO_ALL}[rs_as]]
     waits = [ops.wait_of(n) for n in ags]
     assert rss and all(after[rs] == waits for rs in rss), {rs.name: after.get(rs) for rs in rss}
     assert all(pos[w] < pos[rs] for rs in rss for w in waits)
@@ -221,14 +223,14 @@ def test_scheduling_edges_may_point_forward():
 
 def test_gloo_all_gathers_take_lanes(fake_mesh8, monkeypatch):
     """With lanes, a gloo group's all-gathers move to the lanes in turn: one in flight per lane,
-    and none kept apart from the group's reduce-scatters, which stay on the group."""
+    and none kept apart from the group's reduce-scatters, which stay on the group (as all-to-alls)."""
     monkeypatch.setattr(ops, "group_backend", lambda name: "gloo")
     monkeypatch.setattr(ops, "group_comm_threads", lambda name: 2)
     report, graphs = capture(ag_mm_rs, *_inputs(), options={"strategy": "decompose", "chunks": CHUNKS, "lanes": 2})
     ((_, gm),) = graphs
     seq = list(gm.graph.nodes)
     ags = [n for n in seq if n.target is ops.ALL_GATHER]
-    rss = [n for n in seq if n.target is ops.REDUCE_SCATTER]
+    rss = [n for n in seq if n.target in (ops.REDUCE_SCATTER, ops.ALL_TO_ALL)]  # gloo: RS as all-to-all
     group = ops.group_name(rss[0])
     assert len(ags) == CHUNKS and not lanes.is_lane(group)
     assert [ops.group_name(n) for n in ags] == [lanes.lane_name(group, c % 2) for c in range(CHUNKS)]

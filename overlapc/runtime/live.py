@@ -87,15 +87,22 @@ class Need:
         return self.numel * getattr(torch, self.dtype).itemsize
 
 
-def needs_of(graph) -> dict[str, list[Need]]:
+RS_A2A = "reduce_scatter_a2a"
+"""The kind of a reduce-scatter that runs as an all-to-all and a sum (passes/scatter.py): timed in
+that form, cached apart from the backend's own, priced as "reduce_scatter"."""
+
+
+def needs_of(graph, options=None) -> dict[str, list[Need]]:
     """Per process-group name, the collectives to time for the graph's collectives: every
     kind at each collective's size and its chunks' sizes, merged where within ``MERGE``."""
-    from overlapc.passes import ops
+    from overlapc.passes import ops, scatter
     from overlapc.passes.axis import even_splits
 
     out: dict[str, list[Need]] = {}
     for node in graph.nodes:
         kind = ops.COST_KIND.get(node.target)
+        if kind == "reduce_scatter" and options is not None and scatter.lowerable(node, options):
+            kind = RS_A2A
         v = ops.val(node.args[0]) if kind else None
         name, world = (ops.group_name(node), ops.world_size(node)) if kind else (None, None)
         numel = ops.hint(v.numel()) if v is not None else None
@@ -103,7 +110,7 @@ def needs_of(graph) -> dict[str, list[Need]]:
             continue
         if kind == "all_to_all" and not even_splits(node):
             continue  # each rank sends its own rows (dropless pipelines: priced by the model)
-        unit = world if kind in ("reduce_scatter", "all_to_all") else 1  # inputs split across the ranks
+        unit = world if kind in ("reduce_scatter", RS_A2A, "all_to_all") else 1  # inputs split across the ranks
         have = out.setdefault(name, [])
         for d in CHUNK_DIVISORS:
             n = max(unit, numel // d // unit * unit)
@@ -128,7 +135,7 @@ def measured_profile(graph, base, options, graph_kind: str = ""):
     curves: dict[int, dict[str, list]] = {}
     sources: dict[tuple, str] = {}
     t0, counts = time.perf_counter(), {"measured": 0, "cached": 0}
-    for name, needs in sorted(needs_of(graph).items()):
+    for name, needs in sorted(needs_of(graph, options).items()):
         try:
             pg = _resolve_process_group(name)
         except (ValueError, RuntimeError, KeyError):
@@ -143,10 +150,11 @@ def measured_profile(graph, base, options, graph_kind: str = ""):
         with _disable_current_modes():
             times = _measure_group(pg, name, needs, options, graph_kind)
         for need, (t, how) in times.items():
-            curves.setdefault(world, {}).setdefault(need.kind, []).append((need.nbytes, t))
+            kind = "reduce_scatter" if need.kind == RS_A2A else need.kind
+            curves.setdefault(world, {}).setdefault(kind, []).append((need.nbytes, t))
             counts[how] += 1
-            if sources.get((need.kind, world)) != "measured":  # a kind is "measured" if any size was
-                sources[(need.kind, world)] = how
+            if sources.get((kind, world)) != "measured":  # a kind is "measured" if any size was
+                sources[(kind, world)] = how
     if not curves:
         return base
     SPENT.append({"graph": graph_kind, "seconds": time.perf_counter() - t0, **counts})
@@ -343,15 +351,21 @@ class _Link:
                 "reduce_scatter": lambda: self.pg._reduce_scatter_base(out, x, dist.ReduceScatterOptions()),
                 "all_reduce": lambda: self.pg.allreduce([x]),
                 "all_to_all": lambda: self.pg.alltoall_base(out, x, [], []),
+                RS_A2A: lambda: self.pg.alltoall_base(out, x, [], []),
             }[kind]()
             work.wait()
+            if kind == RS_A2A:
+                out.view(self.size, -1).sum(0)
             return
         {
             "all_gather": lambda: dist.all_gather_into_tensor(out, x, group=self.pg),
             "reduce_scatter": lambda: dist.reduce_scatter_tensor(out, x, group=self.pg),
             "all_reduce": lambda: dist.all_reduce(x, group=self.pg),
             "all_to_all": lambda: dist.all_to_all_single(out, x, group=self.pg),
+            RS_A2A: lambda: dist.all_to_all_single(out, x, group=self.pg),
         }[kind]()
+        if kind == RS_A2A:
+            out.view(self.size, -1).sum(0)
 
 
 def collective_fn(link: _Link, need: Need):

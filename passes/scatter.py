@@ -1,0 +1,94 @@
+"""Reduce-scatters as all-to-alls where the backend runs reduce-scatter as an all-reduce.
+
+gloo has no reduce-scatter algorithm of its own: ProcessGroupGloo runs
+``reduce_scatter_tensor`` as an all-reduce of the whole input, then keeps the rank's block.
+Every rank then sends the whole tensor's worth twice ((W-1)/W of it in each of two phases),
+where a ring reduce-scatter sends (W-1)/W of it once. An all-to-all moves exactly what a
+reduce-scatter must: block j of every rank's input to rank j. Summing the W blocks a rank
+received is its share::
+
+    Before::  out = wait(reduce_scatter_tensor(x, "sum", W, group))        # x: (W * m, ...)
+    After::   r = wait(all_to_all_single(x, [m] * W, [m] * W, group))      # block i from rank i
+              out = sum(view(r, (W, m, ...)), 0)
+
+Half the bytes on the wire at world 2 (the measured times are in docs/cost_model.md,
+"Reduce-scatter on gloo"). Block i of the result comes from rank i on every rank, so the sum's
+order is fixed and the same for every block; values differ from gloo's all-reduce order by
+rounding only (fp32: ~1e-7 relative; bf16: the sum is accumulated in fp32 and rounded once).
+
+This is a lowering, not a site: it runs after the sites are rewritten, on every
+reduce-scatter of the graph (the chunks a rewrite issued included), so the planner prices
+reduce-scatters on such groups as all-to-alls (:func:`lowered_groups`, passes/plan.py).
+Option ``reduce_scatter``: "auto" lowers on gloo groups, "all_to_all" on every group,
+"native" nowhere.
+"""
+
+from __future__ import annotations
+
+from torch.fx import Graph, Node
+
+from overlapc.options import Options
+
+from . import ops
+from .build import Builder
+
+AS_ALL_TO_ALL = "all_to_all"
+LOWERED_BACKENDS = ("gloo",)
+"""Backends whose reduce-scatter is an all-reduce underneath."""
+
+
+def _group_lowered(name: str | None, options: Options) -> bool:
+    if options.reduce_scatter == "native" or options.strategy == "none" or name is None:
+        return False
+    if options.reduce_scatter == AS_ALL_TO_ALL:
+        return True
+    from overlapc.runtime import lanes
+
+    return ops.group_backend(lanes.base_group(name)) in LOWERED_BACKENDS
+
+
+def lowerable(rs: Node, options: Options) -> bool:
+    """Whether ``rs``, a reduce-scatter, runs as an all-to-all under ``options``: a sum or
+    average over a group the option lowers, of a static dim 0 that the world divides."""
+    if rs.target is not ops.REDUCE_SCATTER or rs.args[1] not in ("sum", "avg"):
+        return False
+    world, v = rs.args[2], ops.val(rs.args[0])
+    if not isinstance(world, int) or world < 2 or v is None or v.dim() == 0:
+        return False
+    rows = v.shape[0]
+    return (
+        isinstance(rows, int)
+        and rows % world == 0
+        and ops.wait_of(rs) is not None
+        and _group_lowered(ops.group_name(rs), options)
+    )
+
+
+def lowered_groups(graph: Graph, options: Options) -> set[str]:
+    """Names of the groups whose reduce-scatters in ``graph`` :func:`lower_reduce_scatters`
+    would lower."""
+    return {ops.group_name(n) for n in graph.nodes if lowerable(n, options)}
+
+
+def lower_reduce_scatters(graph: Graph, options: Options) -> int:
+    """Rewrite each :func:`lowerable` reduce-scatter of ``graph`` in place as an all-to-all and
+    a sum of the blocks received; returns how many were rewritten."""
+    done = 0
+    for rs in [n for n in graph.nodes if lowerable(n, options)]:
+        wait = ops.wait_of(rs)
+        x, op, world, group = rs.args[:4]
+        shape = list(ops.val(x).shape)
+        m = shape[0] // world
+        b = Builder(graph, like=rs)
+        with graph.inserting_before(rs):
+            a2a = b.call(ops.ALL_TO_ALL, x, [m] * world, [m] * world, group)
+        with graph.inserting_before(wait):
+            got = b.call(ops.WAIT, a2a)
+            out = b.call(ops.aten.sum.dim_IntList, b.view(got, [world, m, *shape[1:]]), [0])
+            if op == "avg":
+                out = b.call(ops.aten.div.Tensor, out, world)
+        wait.replace_all_uses_with(out)
+        graph.erase_node(wait)
+        graph.erase_node(rs)
+        done += 1
+    return done
