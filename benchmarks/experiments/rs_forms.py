@@ -87,7 +87,8 @@ def main(argv=None) -> int:
     ]
     for r in rows:
         cells = " | ".join(f"{r[f] * 1e3:.0f} ms" for f in FORMS)
-        lines.append(f"| {r['world']} | {r['mib']:g} MiB | {cells} | {r['reduce_scatter'] / r['all_to_all + sum']:.2f}x |")
+        ratio = r["reduce_scatter"] / r["all_to_all + sum"]
+        lines.append(f"| {r['world']} | {r['mib']:g} MiB | {cells} | {ratio:.2f}x |")
     common.write_run_report("rs_forms", "Reduce-scatter on gloo", "Reduce-scatter on gloo", "\n".join(lines), rows)
     return 0
 
