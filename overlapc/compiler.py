@@ -164,14 +164,22 @@ def _differs(changed: bool, rows, planned_rows) -> bool:
 
 def _raced_copies(g, opts: Options):
     """Copies of ``g`` before the passes change it, for option adapt: the baseline (None where
-    the graph is not adapted) and the graph the alternative is planned on (None unless
-    ``microbatches`` is "auto": the planner chose between slices and row chunks; the other races)."""
+    the graph is not adapted; its reduce-scatters lowered as option reduce_scatter says) and the
+    graph the alternative is planned on (None unless ``microbatches`` is "auto": the planner
+    chose between slices and row chunks; the other races)."""
     from overlapc.passes.build import copy_graph_module
 
     from .runtime.adapt import may_adapt
 
     base = copy_graph_module(g) if may_adapt(opts) else None
     other = copy_graph_module(g) if base is not None and opts.microbatches == "auto" else None
+    if base is not None:
+        from overlapc.passes.scatter import lower_reduce_scatters
+
+        # The program to beat runs its reduce-scatters as the planned one does (passes/scatter.py):
+        # the race decides the sites, not the collective form gloo makes twice as slow.
+        if lower_reduce_scatters(base.graph, opts):
+            base.recompile()
     return base, other
 
 

@@ -11,19 +11,24 @@ received is its share::
     After::   r = wait(all_to_all_single(x, [m] * W, [m] * W, group))      # block i from rank i
               out = sum(view(r, (W, m, ...)), 0)
 
-Half the bytes on the wire at world 2 (the measured times are in docs/cost_model.md,
-"Reduce-scatter on gloo"). Block i of the result comes from rank i on every rank, so the sum's
+Half the bytes on the wire at world 2 (measured: docs/design.md, "Reduce-scatter on gloo").
+A large all-to-all is sent in pieces (:func:`pieces`), each an all-to-all of a column range of
+every block, all issued before the first is waited on: on gloo's TCP transport one message of
+hundreds of KiB per peer ran at half the link rate after another collective, where the same
+bytes in pieces kept it. Block i of the result comes from rank i on every rank, so the sum's
 order is fixed and the same for every block; values differ from gloo's all-reduce order by
 rounding only (fp32: ~1e-7 relative; bf16: the sum is accumulated in fp32 and rounded once).
 
 This is a lowering, not a site: it runs after the sites are rewritten, on every
 reduce-scatter of the graph (the chunks a rewrite issued included), so the planner prices
 reduce-scatters on such groups as all-to-alls (:func:`lowered_groups`, passes/plan.py).
-Option ``reduce_scatter``: "auto" lowers on gloo groups, "all_to_all" on every group,
-"native" nowhere.
+Option ``reduce_scatter``: "auto" lowers on gloo groups (not under strategy "none"),
+"all_to_all" on every group, "native" nowhere.
 """
 
 from __future__ import annotations
+
+import math
 
 from torch.fx import Graph, Node
 
@@ -33,18 +38,28 @@ from . import ops
 from .build import Builder
 
 AS_ALL_TO_ALL = "all_to_all"
+PIECE_BYTES = 32 << 10
+"""Largest message per peer of one piece (bytes). Measured pieces: docs/design.md."""
+MAX_PIECES = 16
 LOWERED_BACKENDS = ("gloo",)
 """Backends whose reduce-scatter is an all-reduce underneath."""
 
 
 def _group_lowered(name: str | None, options: Options) -> bool:
-    if options.reduce_scatter == "native" or options.strategy == "none" or name is None:
+    if options.reduce_scatter == "native" or name is None:
         return False
     if options.reduce_scatter == AS_ALL_TO_ALL:
         return True
+    if options.strategy == "none":  # "auto" under "none": report only, nothing changes
+        return False
     from overlapc.runtime import lanes
 
     return ops.group_backend(lanes.base_group(name)) in LOWERED_BACKENDS
+
+
+def pieces(nbytes: int, world: int) -> int:
+    """All-to-alls one reduce-scatter of ``nbytes`` (one rank's input) is sent as."""
+    return max(1, min(MAX_PIECES, math.ceil(nbytes / world / PIECE_BYTES)))
 
 
 def lowerable(rs: Node, options: Options) -> bool:
@@ -77,14 +92,25 @@ def lower_reduce_scatters(graph: Graph, options: Options) -> int:
     for rs in [n for n in graph.nodes if lowerable(n, options)]:
         wait = ops.wait_of(rs)
         x, op, world, group = rs.args[:4]
-        shape = list(ops.val(x).shape)
-        m = shape[0] // world
+        v = ops.val(x)
+        shape, block = list(v.shape), v.numel() // world
+        k = pieces(v.numel() * v.element_size(), world)
+        bounds = [block * p // k for p in range(k + 1)]
         b = Builder(graph, like=rs)
         with graph.inserting_before(rs):
-            a2a = b.call(ops.ALL_TO_ALL, x, [m] * world, [m] * world, group)
+            if k == 1:
+                sends = [x]
+            else:  # piece p: columns [bounds[p], bounds[p + 1]) of every rank's block
+                blocks = b.reshape(x, [world, block])
+                sends = [b.contiguous(b.slice(blocks, 1, lo, hi)) for lo, hi in zip(bounds, bounds[1:])]
+            rows = 1 if k > 1 else shape[0] // world  # dim-0 rows of one block
+            a2as = [b.call(ops.ALL_TO_ALL, t, [rows] * world, [rows] * world, group) for t in sends]
         with graph.inserting_before(wait):
-            got = b.call(ops.WAIT, a2a)
-            out = b.call(ops.aten.sum.dim_IntList, b.view(got, [world, m, *shape[1:]]), [0])
+            parts = []
+            for a2a, lo, hi in zip(a2as, bounds, bounds[1:]):
+                got = b.view(b.call(ops.WAIT, a2a), [world, hi - lo])
+                parts.append(b.call(ops.aten.sum.dim_IntList, got, [0]))
+            out = b.view(parts[0] if k == 1 else b.cat(parts, 0), [shape[0] // world, *shape[1:]])
             if op == "avg":
                 out = b.call(ops.aten.div.Tensor, out, world)
         wait.replace_all_uses_with(out)

@@ -345,27 +345,45 @@ class _Link:
     def run(self, kind: str, out, x):
         import torch.distributed as dist
 
+        if kind == RS_A2A:
+            self._rs_a2a(out, x)
+            return
         if self.gloo:
             work = {
                 "all_gather": lambda: self.pg._allgather_base(out, x),
                 "reduce_scatter": lambda: self.pg._reduce_scatter_base(out, x, dist.ReduceScatterOptions()),
                 "all_reduce": lambda: self.pg.allreduce([x]),
                 "all_to_all": lambda: self.pg.alltoall_base(out, x, [], []),
-                RS_A2A: lambda: self.pg.alltoall_base(out, x, [], []),
             }[kind]()
             work.wait()
-            if kind == RS_A2A:
-                out.view(self.size, -1).sum(0)
             return
         {
             "all_gather": lambda: dist.all_gather_into_tensor(out, x, group=self.pg),
             "reduce_scatter": lambda: dist.reduce_scatter_tensor(out, x, group=self.pg),
             "all_reduce": lambda: dist.all_reduce(x, group=self.pg),
             "all_to_all": lambda: dist.all_to_all_single(out, x, group=self.pg),
-            RS_A2A: lambda: dist.all_to_all_single(out, x, group=self.pg),
         }[kind]()
-        if kind == RS_A2A:
-            out.view(self.size, -1).sum(0)
+
+    def _rs_a2a(self, out, x):
+        """A reduce-scatter as passes/scatter.py lowers it: all-to-alls of column pieces of
+        every block, all issued, then waited, then each piece's blocks summed."""
+        import torch.distributed as dist
+
+        from overlapc.passes.scatter import pieces
+
+        w = self.size
+        k = pieces(x.numel() * x.element_size(), w)
+        blocks, got = x.view(w, -1), out.view(w, -1)
+        bounds = [blocks.shape[1] * p // k for p in range(k + 1)]
+        sends = [blocks[:, lo:hi].contiguous() for lo, hi in zip(bounds, bounds[1:])]
+        recvs = [torch.empty_like(t) for t in sends]
+        if self.gloo:
+            works = [self.pg.alltoall_base(r, t, [], []) for r, t in zip(recvs, sends)]
+        else:
+            works = [dist.all_to_all_single(r, t, group=self.pg, async_op=True) for r, t in zip(recvs, sends)]
+        for wk, r, lo, hi in zip(works, recvs, bounds, bounds[1:]):
+            wk.wait()
+            got[0, lo:hi] = r.sum(0)
 
 
 def collective_fn(link: _Link, need: Need):
