@@ -68,7 +68,7 @@ class Options:
     reduce_scatter: str = "auto"
     """How reduce-scatters run: "all_to_all" (an all-to-all, then each rank sums the blocks it received),
     "native" (the backend's own) or "auto": all-to-all on gloo groups, whose reduce-scatter is an all-reduce
-    moving twice the bytes (passes/scatter.py), native elsewhere and under strategy "none"."""
+    moving twice the bytes (passes/scatter.py), native elsewhere and under strategy "none" without slices."""
     timeout: float = 300.0
     """Seconds a fused op may wait for its peers before it raises an error naming the op (strategy "fuse")."""
     mode: str | None = None

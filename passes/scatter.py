@@ -22,7 +22,8 @@ rounding only (fp32: ~1e-7 relative; bf16: the sum is accumulated in fp32 and ro
 This is a lowering, not a site: it runs after the sites are rewritten, on every
 reduce-scatter of the graph (the chunks a rewrite issued included), so the planner prices
 reduce-scatters on such groups as all-to-alls (:func:`lowered_groups`, passes/plan.py).
-Option ``reduce_scatter``: "auto" lowers on gloo groups (not under strategy "none"),
+Option ``reduce_scatter``: "auto" lowers on gloo groups (under strategy "none" only where
+micro-batch slices rewrite the graph anyway),
 "all_to_all" on every group, "native" nowhere.
 """
 
@@ -50,7 +51,8 @@ def _group_lowered(name: str | None, options: Options) -> bool:
         return False
     if options.reduce_scatter == AS_ALL_TO_ALL:
         return True
-    if options.strategy == "none":  # "auto" under "none": report only, nothing changes
+    slices = isinstance(options.microbatches, int) and options.microbatches > 1
+    if options.strategy == "none" and not slices:  # "auto" under "none": report only, nothing changes
         return False
     from overlapc.runtime import lanes
 

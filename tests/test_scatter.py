@@ -62,6 +62,22 @@ def test_which_reduce_scatters_are_lowered(fake_mesh8, how, strategy, want):
         assert any(u.target is ops.aten.sum.dim_IntList for w in a2a.users for v in w.users for u in v.users)
 
 
+@pytest.mark.parametrize(
+    "opts,lowered",
+    [({}, True), ({"strategy": "none"}, False), ({"strategy": "none", "microbatches": 2}, True)],
+    ids=["auto", "none", "none+slices"],
+)
+def test_auto_on_gloo(fake_mesh8, monkeypatch, opts, lowered):
+    """ "auto" lowers on gloo groups; under strategy "none" only where slices rewrite the graph."""
+    from overlapc.passes import scatter
+
+    _, graphs = capture(_mm_rs, torch.randn(64, 16), torch.randn(16, 8), options={"strategy": "none"})
+    ((_, gm),) = graphs
+    (rs,) = [n for n in gm.graph.nodes if n.target is ops.REDUCE_SCATTER]
+    monkeypatch.setattr(ops, "group_backend", lambda name: "gloo")
+    assert scatter.lowerable(rs, Options(**opts)) is lowered
+
+
 def test_large_reduce_scatters_go_in_pieces(fake_mesh8):
     """A (1024, 128) fp32 input at world 8: 64 KiB per peer, two 32 KiB pieces, each an
     all-to-all of one column range of every block, issued before either is waited on."""

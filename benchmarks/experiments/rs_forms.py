@@ -1,7 +1,8 @@
 """Reduce-scatter on gloo, three ways, on the emulated cluster: gloo's own reduce-scatter (an
 all-reduce underneath), an all-to-all followed by the local sum of the blocks received, the
 same in column pieces all in flight (what passes/scatter.py lowers it to); and, for scale, an
-all-reduce of the same input and an all-gather of one rank's share. Medians of ``--reps``
+all-reduce of the same input and an all-gather of one rank's share, by gloo and as all-to-all
+pieces (each rank's share sent to every rank: the bytes of a ring all-gather). Medians of ``--reps``
 barrier-separated calls per form, interleaved round by round, at the slowest rank.
 
     sudo python -m benchmarks.experiments.rs_forms [--rate 60] [--worlds 2 4] [--mib 1 4]
@@ -23,7 +24,14 @@ import torch.distributed._functional_collectives as fc
 
 from overlapc.passes import scatter
 
-FORMS = ("all_reduce", "reduce_scatter", "all_to_all + sum", "pieces + sum", "all_gather of the share")
+FORMS = (
+    "all_reduce",
+    "reduce_scatter",
+    "all_to_all + sum",
+    "pieces + sum",
+    "all_gather of the share",
+    "all_gather as all-to-all pieces",
+)
 
 
 def forms_job(numel: int, reps: int) -> dict[str, float]:
@@ -44,7 +52,16 @@ def forms_job(numel: int, reps: int) -> dict[str, float]:
         outs = [fc.all_to_all_single(t, [1] * world, [1] * world, group) for t in sends]
         return torch.cat([fc.wait_tensor(o).sum(0) for o in outs])
 
+    def gather_pieces():  # the share sent to every rank by all-to-alls: what an all-gather moves
+        k = scatter.pieces(share.numel() * share.element_size() * world, world)
+        copies, cols = share.expand(world, -1), share.numel()
+        bounds = [cols * p // k for p in range(k + 1)]
+        sends = [copies[:, lo:hi].contiguous() for lo, hi in zip(bounds, bounds[1:])]
+        outs = [fc.all_to_all_single(t, [1] * world, [1] * world, group) for t in sends]
+        return torch.cat([fc.wait_tensor(o) for o in outs], 1).reshape(-1)
+
     run = {
+        "all_gather as all-to-all pieces": gather_pieces,
         "pieces + sum": pieces_sum,
         "all_reduce": lambda: fc.wait_tensor(fc.all_reduce(x, "sum", group)),
         "reduce_scatter": lambda: fc.wait_tensor(fc.reduce_scatter_tensor(x, "sum", 0, group)),
@@ -53,6 +70,9 @@ def forms_job(numel: int, reps: int) -> dict[str, float]:
     }
     torch.testing.assert_close(run["all_to_all + sum"](), run["reduce_scatter"](), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(run["pieces + sum"](), run["reduce_scatter"](), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        run["all_gather as all-to-all pieces"](), run["all_gather of the share"](), rtol=0, atol=0
+    )
     times: dict[str, list[float]] = {f: [] for f in FORMS}
     for _ in range(reps):
         for f in FORMS:
