@@ -64,6 +64,11 @@ def pieces(nbytes: int, world: int) -> int:
     return max(1, min(MAX_PIECES, math.ceil(nbytes / world / PIECE_BYTES)))
 
 
+def piece_bounds(cols: int, k: int) -> list[int]:
+    """Column bounds of ``k`` pieces of a block of ``cols`` columns: piece p is [b[p], b[p + 1])."""
+    return [cols * p // k for p in range(k + 1)]
+
+
 def lowerable(rs: Node, options: Options) -> bool:
     """Whether ``rs``, a reduce-scatter, runs as an all-to-all under ``options``: a sum or
     average over a group the option lowers, of a static dim 0 that the world divides."""
@@ -97,7 +102,7 @@ def lower_reduce_scatters(graph: Graph, options: Options) -> int:
         v = ops.val(x)
         shape, block = list(v.shape), v.numel() // world
         k = pieces(v.numel() * v.element_size(), world)
-        bounds = [block * p // k for p in range(k + 1)]
+        bounds = piece_bounds(block, k)
         b = Builder(graph, like=rs)
         with graph.inserting_before(rs):
             if k == 1:

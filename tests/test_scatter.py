@@ -133,3 +133,32 @@ def test_all_to_all_form_equals_gloo_reduce_scatter(world_name, request):
     world = request.getfixturevalue(world_name)
     for errs in world.run(scatter_job, "float32"):
         assert max(errs) <= (0.0 if world_name == "world2" else 1e-5), errs
+
+
+def measure_job(cache_dir: str) -> tuple[str, set]:
+    """A reduce-scatter site compiled with the live-group measurement on (a real gloo link, no
+    double): where its numbers came from, and the kinds this process timed."""
+    from pathlib import Path
+
+    from overlapc.passes import cost
+
+    saved = cost.CACHE_DIR
+    cost.CACHE_DIR = Path(cache_dir)
+    live._MEMO.clear()
+    live._CHECKED.clear()
+    try:
+        torch._dynamo.reset()
+        be = overlapc.backend(inner="eager", microbatches=1, measure=True, adapt=0)
+        torch.compile(_mm_rs, backend=be)(torch.randn(512, 64), torch.randn(64, 128))  # 256 KiB: 4 pieces
+        (site,) = be.report.by(pattern="matmul_reduce_scatter")
+        return site.details["predicted"]["numbers"], {k[3] for k in live._MEMO}
+    finally:
+        cost.CACHE_DIR = saved
+        live._MEMO.clear()
+        live._CHECKED.clear()
+
+
+@pytest.mark.distributed
+def test_live_group_times_the_pieces_form(world2, tmp_path):
+    for numbers, kinds in world2.run(measure_job, str(tmp_path)):
+        assert numbers == "measured" and kinds == {live.RS_A2A}, (numbers, kinds)

@@ -47,7 +47,7 @@ def forms_job(numel: int, reps: int) -> dict[str, float]:
     def pieces_sum():  # what passes/scatter.py issues: column pieces of every block, all in flight
         k = scatter.pieces(x.numel() * x.element_size(), world)
         blocks, cols = x.view(world, -1), numel // world
-        bounds = [cols * p // k for p in range(k + 1)]
+        bounds = scatter.piece_bounds(cols, k)
         sends = [blocks[:, lo:hi].contiguous() for lo, hi in zip(bounds, bounds[1:])]
         outs = [fc.all_to_all_single(t, [1] * world, [1] * world, group) for t in sends]
         return torch.cat([fc.wait_tensor(o).sum(0) for o in outs])
@@ -55,7 +55,7 @@ def forms_job(numel: int, reps: int) -> dict[str, float]:
     def gather_pieces():  # the share sent to every rank by all-to-alls: what an all-gather moves
         k = scatter.pieces(share.numel() * share.element_size() * world, world)
         copies, cols = share.expand(world, -1), share.numel()
-        bounds = [cols * p // k for p in range(k + 1)]
+        bounds = scatter.piece_bounds(cols, k)
         sends = [copies[:, lo:hi].contiguous() for lo, hi in zip(bounds, bounds[1:])]
         outs = [fc.all_to_all_single(t, [1] * world, [1] * world, group) for t in sends]
         return torch.cat([fc.wait_tensor(o) for o in outs], 1).reshape(-1)

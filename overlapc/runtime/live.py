@@ -369,12 +369,12 @@ class _Link:
         every block, all issued, then waited, then each piece's blocks summed."""
         import torch.distributed as dist
 
-        from overlapc.passes.scatter import pieces
+        from overlapc.passes.scatter import piece_bounds, pieces
 
         w = self.size
         k = pieces(x.numel() * x.element_size(), w)
         blocks, got = x.view(w, -1), out.view(w, -1)
-        bounds = [blocks.shape[1] * p // k for p in range(k + 1)]
+        bounds = piece_bounds(blocks.shape[1], k)
         sends = [blocks[:, lo:hi].contiguous() for lo, hi in zip(bounds, bounds[1:])]
         recvs = [torch.empty_like(t) for t in sends]
         if self.gloo:
