@@ -37,6 +37,7 @@ from overlapc.options import Options
 
 from . import ops
 from .build import Builder
+from .lower import SITE_WAIT
 
 AS_ALL_TO_ALL = "all_to_all"
 PIECE_BYTES = 32 << 10
@@ -112,10 +113,14 @@ def lower_reduce_scatters(graph: Graph, options: Options) -> int:
                 sends = [b.contiguous(b.slice(blocks, 1, lo, hi)) for lo, hi in zip(bounds, bounds[1:])]
             rows = 1 if k > 1 else shape[0] // world  # dim-0 rows of one block
             a2as = [b.call(ops.ALL_TO_ALL, t, [rows] * world, [rows] * world, group) for t in sends]
+        tag = wait.meta.get(SITE_WAIT)  # a rewritten site's chunk: its failure still names it
         with graph.inserting_before(wait):
             parts = []
             for a2a, lo, hi in zip(a2as, bounds, bounds[1:]):
-                got = b.view(b.call(ops.WAIT, a2a), [world, hi - lo])
+                waited = b.call(ops.WAIT, a2a)
+                if tag is not None:
+                    waited.meta[SITE_WAIT] = tag
+                got = b.view(waited, [world, hi - lo])
                 parts.append(b.call(ops.aten.sum.dim_IntList, got, [0]))
             out = b.view(parts[0] if k == 1 else b.cat(parts, 0), [shape[0] // world, *shape[1:]])
             if op == "avg":
