@@ -19,7 +19,7 @@ from .match import find_sites
 from .microbatch import slice_microbatches
 from .normalize import normalize
 from .plan import graph_profile, plan_sites
-from .scatter import lower_reduce_scatters, lowered_groups
+from .scatter import lower_reduce_scatters
 from .schedule import legalize, schedule
 
 
@@ -40,13 +40,12 @@ def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None) -
     rewritten = lower_sites(gm.graph, sites)
     if rewritten:
         legalize(gm.graph)
-    as_all_to_all = lowered_groups(gm.graph, options)
-    rs_lowered = lower_reduce_scatters(gm.graph, options)
+    as_all_to_all = lower_reduce_scatters(gm.graph, options)
     if (rewritten or slicing.sliced) and options.addmm_partials:
         fold_partial_sums(gm.graph)
     reordered = options.schedule and schedule(gm.graph, options.lanes)
     # Tells the inductor inner compiler to keep this order through its own scheduler.
-    gm.meta["overlapc_changed"] = bool(rewritten or reordered or slicing.sliced or rs_lowered)
+    gm.meta["overlapc_changed"] = bool(rewritten or reordered or slicing.sliced or as_all_to_all)
     rows = [s.to_report() for s in sites] + [c.to_report() for c in loose]
     for r in rows:
         if r.collective_op == "reduce_scatter_tensor" and r.group in as_all_to_all:

@@ -23,8 +23,7 @@ This is a lowering, not a site: it runs after the sites are rewritten, on every
 reduce-scatter of the graph (the chunks a rewrite issued included), so the planner prices
 reduce-scatters on such groups as all-to-alls (:func:`lowered_groups`, passes/plan.py).
 Option ``reduce_scatter``: "auto" lowers on gloo groups (under strategy "none" only where
-micro-batch slices rewrite the graph anyway),
-"all_to_all" on every group, "native" nowhere.
+micro-batch slices rewrite the graph anyway), "all_to_all" on every group, "native" nowhere.
 """
 
 from __future__ import annotations
@@ -93,10 +92,10 @@ def lowered_groups(graph: Graph, options: Options) -> set[str]:
     return {ops.group_name(n) for n in graph.nodes if lowerable(n, options)}
 
 
-def lower_reduce_scatters(graph: Graph, options: Options) -> int:
+def lower_reduce_scatters(graph: Graph, options: Options) -> set[str]:
     """Rewrite each :func:`lowerable` reduce-scatter of ``graph`` in place as an all-to-all and
-    a sum of the blocks received; returns how many were rewritten."""
-    done = 0
+    a sum of the blocks received; returns the names of the groups whose ones were rewritten."""
+    done: set[str] = set()
     for rs in [n for n in graph.nodes if lowerable(n, options)]:
         wait = ops.wait_of(rs)
         x, op, world, group = rs.args[:4]
@@ -128,5 +127,5 @@ def lower_reduce_scatters(graph: Graph, options: Options) -> int:
         wait.replace_all_uses_with(out)
         graph.erase_node(wait)
         graph.erase_node(rs)
-        done += 1
+        done.add(group)
     return done
