@@ -16,8 +16,9 @@ times the baseline and, in the same run:
 - auto-calibrated: ``strategy="auto"`` under that calibrated profile;
 - slices: ``microbatches=2, strategy="none"`` (reduce-scatters as all-to-alls, as the others
   run them on gloo: strategy "none" alone keeps the backend's own);
-- native RS: the defaults with ``reduce_scatter="native"``: what running reduce-scatters as
-  all-to-alls on gloo (passes/scatter.py) adds to the default, in the same run.
+- native AG: the defaults with ``all_gather="native"``: what running all-gathers as all-to-alls
+  on gloo (passes/forms.py) adds to the default, in the same run (reduce-scatters as
+  all-to-alls: report 2026-12-07_0922 has the same column for ``reduce_scatter="native"``).
 
 "default / best" is the default's speedup over the best of the last three. Writes
 benchmarks/reports/DATE_HOST_defaults_MODEL.md and a section of BENCHMARKS.md.
@@ -48,8 +49,9 @@ VARIANTS = [
     ["again", "hardware=null"],
     ["auto-calibrated", "strategy=auto"],
     ["slices", "microbatches=2", "strategy=none", "reduce_scatter=all_to_all"],
-    ["native RS", "hardware=null", "reduce_scatter=native"],
+    ["native AG", "hardware=null", "all_gather=native"],
 ]
+NATIVE = "native AG"
 BEST_OF = ("decompose", "auto-calibrated", "slices")
 
 
@@ -94,7 +96,7 @@ def write_report(name: str, title: str, model: dict, rows: list[dict], cmd: str)
         f"Reproduce: `{cmd}`",
         "",
         "| link Mbit/s | world | step | T_base | T_comm | T_compute | default | again | decompose | "
-        "auto-calibrated | slices | default / best | native RS |",
+        f"auto-calibrated | slices | default / best | {NATIVE} |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -106,7 +108,7 @@ def write_report(name: str, title: str, model: dict, rows: list[dict], cmd: str)
             f"{r['t_comm'] * 1e3:.0f} ms | {r['t_compute'] * 1e3:.0f} ms | "
             + " | ".join(_cell(r["t_base"], v[n]) if n in v else "n/a" for n in ("default", "again", *BEST_OF))
             + f" | {best / v['default']:.2f} | "
-            + (_cell(r["t_base"], v["native RS"]) if "native RS" in v else "n/a")
+            + (_cell(r["t_base"], v[NATIVE]) if NATIVE in v else "n/a")
             + " |"
         )
     lines += [

@@ -164,7 +164,7 @@ def _differs(changed: bool, rows, planned_rows) -> bool:
 
 def _raced_copies(g, opts: Options):
     """Copies of ``g`` before the passes change it, for option adapt: the baseline (None where
-    the graph is not adapted; its reduce-scatters lowered as option reduce_scatter says) and the
+    the graph is not adapted; its collectives lowered as options reduce_scatter and all_gather say) and the
     graph the alternative is planned on (None unless ``microbatches`` is "auto": the planner
     chose between slices and row chunks; the other races)."""
     from overlapc.passes.build import copy_graph_module
@@ -174,11 +174,11 @@ def _raced_copies(g, opts: Options):
     base = copy_graph_module(g) if may_adapt(opts) else None
     other = copy_graph_module(g) if base is not None and opts.microbatches == "auto" else None
     if base is not None:
-        from overlapc.passes.scatter import lower_reduce_scatters
+        from overlapc.passes.forms import lower_collectives
 
-        # The program to beat runs its reduce-scatters as the planned one does (passes/scatter.py):
-        # the race decides the sites, not the collective form gloo makes twice as slow.
-        if lower_reduce_scatters(base.graph, opts):
+        # The program to beat runs its reduce-scatters and all-gathers as the planned one does
+        # (passes/forms.py): the race decides the sites, not the collective forms gloo makes slow.
+        if lower_collectives(base.graph, opts):
             base.recompile()
     return base, other
 

@@ -19,7 +19,7 @@ from .errors import OverlapError
 
 INNER = ("inductor", "eager")
 STRATEGIES = ("auto", "decompose", "fuse", "none")
-REDUCE_SCATTERS = ("auto", "all_to_all", "native")
+FORMS = ("auto", "all_to_all", "native")
 SITE_OVERRIDABLE = ("strategy", "chunks")
 
 
@@ -68,7 +68,12 @@ class Options:
     reduce_scatter: str = "auto"
     """How reduce-scatters run: "all_to_all" (an all-to-all, then each rank sums the blocks it received),
     "native" (the backend's own) or "auto": all-to-all on gloo groups, whose reduce-scatter is an all-reduce
-    moving twice the bytes (passes/scatter.py), native elsewhere and under strategy "none" without slices."""
+    moving twice the bytes (passes/forms.py), native elsewhere and under strategy "none" without slices."""
+    all_gather: str = "auto"
+    """How all-gathers run: "all_to_all" (an all-to-all of W copies of the rank's input: the same bytes and
+    values), "native" or "auto": all-to-all on gloo groups, whose all-gather stalls on its TCP transport and
+    cannot share the wire with the lowered reduce-scatters (passes/forms.py), unless ``lanes`` carry them; as
+    ``reduce_scatter`` says elsewhere."""
     timeout: float = 300.0
     """Seconds a fused op may wait for its peers before it raises an error naming the op (strategy "fuse")."""
     mode: str | None = None
@@ -78,7 +83,8 @@ class Options:
         _check_choice("inner", self.inner, INNER)
         _check_choice("strategy", self.strategy, STRATEGIES)
         _check_chunks("chunks", self.chunks)
-        _check_choice("reduce_scatter", self.reduce_scatter, REDUCE_SCATTERS)
+        _check_choice("reduce_scatter", self.reduce_scatter, FORMS)
+        _check_choice("all_gather", self.all_gather, FORMS)
         if isinstance(self.min_bytes, bool) or not isinstance(self.min_bytes, int) or self.min_bytes < 0:
             raise OverlapError(f"option 'min_bytes' must be an int >= 0; got {self.min_bytes!r}")
         if self.microbatches != "auto" and (

@@ -11,15 +11,16 @@ from torch.fx import GraphModule
 from overlapc.options import Options
 from overlapc.report import Site
 
+from . import ops
 from .accumulate import fold_partial_sums
 from .coalesce import coalesce_all_reduces
 from .deps import DepGraph
+from .forms import lower_collectives
 from .lower import lower_sites
 from .match import find_sites
 from .microbatch import slice_microbatches
 from .normalize import normalize
 from .plan import graph_profile, plan_sites
-from .scatter import lower_reduce_scatters
 from .schedule import legalize, schedule
 
 
@@ -40,7 +41,7 @@ def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None) -
     rewritten = lower_sites(gm.graph, sites)
     if rewritten:
         legalize(gm.graph)
-    as_all_to_all = lower_reduce_scatters(gm.graph, options)
+    as_all_to_all = lower_collectives(gm.graph, options)
     if (rewritten or slicing.sliced) and options.addmm_partials:
         fold_partial_sums(gm.graph)
     reordered = options.schedule and schedule(gm.graph, options.lanes)
@@ -48,8 +49,9 @@ def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None) -
     gm.meta["overlapc_changed"] = bool(rewritten or reordered or slicing.sliced or as_all_to_all)
     rows = [s.to_report() for s in sites] + [c.to_report() for c in loose]
     for r in rows:
-        if r.collective_op == "reduce_scatter_tensor" and r.group in as_all_to_all:
-            r.details["reduce_scatter_as"] = "all_to_all"
+        for kind, groups in as_all_to_all.items():
+            if r.collective_op == ops.MATCHED_COLLECTIVES[kind] and r.group in groups:
+                r.details[f"{ops.COST_KIND[kind]}_as"] = "all_to_all"
     rows.sort(key=lambda r: order.get(r.collective, 0))
     rows = slicing.rows + merged + rows
     gm.graph.lint()

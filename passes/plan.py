@@ -49,7 +49,7 @@ from overlapc.runtime import symm
 
 from . import all_to_all, cost, dropless, fuse, lower, ops
 from .deps import DepGraph
-from .scatter import lowered_groups
+from .forms import lowered_groups
 from .sites import MatchedSite
 
 MAX_AUTO_CHUNKS = 4
@@ -175,7 +175,7 @@ def graph_profile(graph, graph_kind: str, options: Options) -> cost.Profile | No
 
     base = cost.load_profile(options.hardware)
     if lowered_groups(graph, options):
-        # Its reduce-scatters run as all-to-alls (passes/scatter.py): priced as what runs, not
+        # Its reduce-scatters run as all-to-alls (passes/forms.py): priced as what runs, not
         # as the backend's reduce-scatter the profile measured (gloo's: an all-reduce).
         base = dataclasses.replace(base, rs_factor=1.0, rs_large=())
     return live.measured_profile(graph, base, options, graph_kind)

@@ -19,7 +19,7 @@ Tolerances (measured maxima are far below them, see test output with -s):
   ulp of the largest partial sum, not of the (possibly cancelled) result: atol grows to
   2 ulp of the largest reference value, 2^-6 * max|ref|.
 - bf16 at world > 2, reduce-scatters: on gloo they run as an all-to-all and a local sum
-  (passes/scatter.py), which rounds the sum of W partials once, where gloo's all-reduce rounds
+  (passes/forms.py), which rounds the sum of W partials once, where gloo's all-reduce rounds
   it at each of W - 1 steps. The difference is again a few ulp of the largest partial sum: the
   same atol. (At world 2 both round the one add once: equal.)
 """

@@ -150,7 +150,7 @@ def test_gloo_all_gathers_are_chained(fake_mesh8, monkeypatch, rs_as):
     natively or as all-to-alls) only after every all-gather of the run before them was waited on."""
     monkeypatch.setattr(ops, "group_backend", lambda name: "gloo")
     monkeypatch.setattr(ops, "group_comm_threads", lambda name: 2)
-    opts = {"strategy": "decompose", "chunks": CHUNKS, "lanes": 0, "reduce_scatter": rs_as}
+    opts = {"strategy": "decompose", "chunks": CHUNKS, "lanes": 0, "reduce_scatter": rs_as, "all_gather": "native"}
     report, graphs = capture(ag_mm_rs, *_inputs(), options=opts)
     ((_, gm),) = graphs
     seq = list(gm.graph.nodes)
@@ -174,6 +174,26 @@ def test_gloo_all_gathers_are_chained(fake_mesh8, monkeypatch, rs_as):
     for n in seq:
         n.meta.pop(ISSUE_AFTER, None)
     assert list(serialize_collectives(seq)) == ags[1:]
+
+
+def test_gloo_all_to_all_forms_share_the_wire(fake_mesh8, monkeypatch):
+    """By default on gloo both kinds run as all-to-alls (passes/forms.py): one gloo algorithm,
+    neither chained nor kept apart, so the all-gather chunks are all issued before the first
+    GEMM and the reduce-scatter chunks before the last all-gather chunk was waited on."""
+    monkeypatch.setattr(ops, "group_backend", lambda name: "gloo")
+    monkeypatch.setattr(ops, "group_comm_threads", lambda name: 2)
+    report, graphs = capture(ag_mm_rs, *_inputs(), options={"strategy": "decompose", "chunks": CHUNKS})
+    ((_, gm),) = graphs
+    seq = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(seq)}
+    a2as = [n for n in seq if n.target is ops.ALL_TO_ALL]
+    assert not any(n.target in (ops.ALL_GATHER, ops.REDUCE_SCATTER) for n in seq)
+    assert a2as and not serialize_collectives(seq) and not any(issue_after(n) for n in seq)
+    gathers = [n for n in a2as if list(n.args[1]) == [1] * 8 and ops.val(n.args[0]).shape[0] == 8]
+    scatters = [n for n in a2as if n not in gathers]
+    first_mm = min(pos[n] for n in seq if n.target is ops.aten.mm.default)
+    assert len(gathers) == CHUNKS and all(pos[n] < first_mm for n in gathers)
+    assert min(pos[n] for n in scatters) < max(pos[ops.wait_of(n)] for n in gathers)
 
 
 @pytest.mark.slow

@@ -8,6 +8,9 @@ are in flight; then waits on all and checks every value. ``ag_ag`` has two all-g
 flight, ``rs_rs`` four reduce-scatters. Prints rounds and wrong results per rank, or the
 failure. With ``--lanes N`` the all-gathers go, in turn, to N lanes (overlapc/runtime/lanes.py)
 while the reduce-scatters stay on the group: the pattern overlapc's schedule issues on gloo.
+With ``--forms all_to_all`` each round is compiled by overlapc with its collectives lowered to
+all-to-all pieces (passes/forms.py, the default on gloo; its schedule off, so the issue order
+is the one above), so every collective of the round is an all-to-all in flight at once.
 Why: passes/schedule.py (what overlapc serializes on gloo). Not a test: the failures it
 finds are rare (minutes), and it needs root for the cluster.
 """
@@ -23,9 +26,10 @@ import torch.distributed as dist
 ROWS, DIM = 256, 1024  # 1 MiB fp32 per rank and message: a chunk of the make-bench model
 
 
-def stress_job(kind: str, seconds: float, lanes: int = 0) -> tuple[int, int]:
+def stress_job(kind: str, seconds: float, lanes: int = 0, forms: str = "native") -> tuple[int, int]:
     import torch.distributed._functional_collectives as fc
 
+    import overlapc
     from overlapc.runtime import lanes as lanes_mod
 
     g, r, w = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
@@ -39,14 +43,11 @@ def stress_job(kind: str, seconds: float, lanes: int = 0) -> tuple[int, int]:
         return names[gathers % lanes] if lanes else g
 
     weight = torch.randn(DIM, DIM)
-    t0, rounds, wrong = time.time(), 0, 0
-    while True:
-        v = float(rounds % 7)
+
+    def issue(base, ys):
         # All-gather inputs are views into one buffer, as row chunks are.
-        base = torch.cat([torch.full((ROWS, DIM), r * 100 + v + k) for k in range(2)])
         xs = [base[k * ROWS : (k + 1) * ROWS] for k in range(2)]
-        ys = [torch.full((ROWS * w, DIM), float(r + 1 + k)) for k in range(4)]
-        ags, rss = [], []
+        ags, rss, acts = [], [], []
         if kind in ("ag_rs", "ag_ag"):
             ags.append(fc.all_gather_single(xs[0], 0, gather_group()))
         if kind == "ag_ag":
@@ -54,9 +55,20 @@ def stress_job(kind: str, seconds: float, lanes: int = 0) -> tuple[int, int]:
         if kind in ("ag_rs", "rs_rs"):
             for y in ys:
                 rss.append(fc.reduce_scatter_single(y, "sum", 0, g))
-                torch.relu(xs[0] @ weight)
+                acts.append(torch.relu(xs[0] @ weight))
         if kind == "ag_rs":
             ags.append(fc.all_gather_single(xs[1], 0, gather_group()))
+        return ags, rss, acts
+
+    if forms != "native":
+        be = overlapc.backend(strategy="none", all_gather=forms, reduce_scatter=forms, schedule=False, inner="eager")
+        issue = torch.compile(issue, backend=be, fullgraph=True)
+    t0, rounds, wrong = time.time(), 0, 0
+    while True:
+        v = float(rounds % 7)
+        base = torch.cat([torch.full((ROWS, DIM), r * 100 + v + k) for k in range(2)])
+        ys = [torch.full((ROWS * w, DIM), float(r + 1 + k)) for k in range(4)]
+        ags, rss, _ = issue(base, ys)
         del base
         for k, out in enumerate(ags):
             want = torch.cat([torch.full((ROWS, DIM), q * 100 + v + k) for q in range(w)])
@@ -83,6 +95,7 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=532.0, help="link rate, Mbit/s")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--lanes", type=int, default=0, help="all-gathers on this many lanes (0: on the group)")
+    ap.add_argument("--forms", choices=["native", "all_to_all"], default="native", help="collectives as all-to-alls")
     args = ap.parse_args()
     if args.lanes == 1 and args.kind != "rs_rs":
         ap.error("--lanes 1 puts both all-gathers of a round on one lane, which overlapc never does; use 0 or >= 2")
@@ -90,8 +103,11 @@ def main() -> int:
         world = cluster.world(timeout=args.seconds + 300)
         try:
             t = time.time()
-            res = world.run(stress_job, args.kind, args.seconds, args.lanes)
-            print(f"{args.kind}, lanes {args.lanes}: (rounds, wrong) per rank {res} in {time.time() - t:.0f} s")
+            res = world.run(stress_job, args.kind, args.seconds, args.lanes, args.forms)
+            print(
+                f"{args.kind}, lanes {args.lanes}, forms {args.forms}: (rounds, wrong) per rank {res} "
+                f"in {time.time() - t:.0f} s"
+            )
             return int(any(bad for _, bad in res))
         except Exception as e:  # the finding: a hang (gloo's timeout) or a dead rank
             print(f"{args.kind}, lanes {args.lanes}: FAILED: {str(e)[-2000:]}")

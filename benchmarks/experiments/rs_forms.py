@@ -1,6 +1,6 @@
 """Reduce-scatter on gloo, three ways, on the emulated cluster: gloo's own reduce-scatter (an
 all-reduce underneath), an all-to-all followed by the local sum of the blocks received, the
-same in column pieces all in flight (what passes/scatter.py lowers it to); and, for scale, an
+same in column pieces all in flight (what passes/forms.py lowers it to); and, for scale, an
 all-reduce of the same input and an all-gather of one rank's share, by gloo and as all-to-all
 pieces (each rank's share sent to every rank: the bytes of a ring all-gather). Medians of ``--reps``
 barrier-separated calls per form, interleaved round by round, at the slowest rank.
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 
-from overlapc.passes import scatter
+from overlapc.passes import forms
 
 FORMS = (
     "all_reduce",
@@ -44,18 +44,18 @@ def forms_job(numel: int, reps: int) -> dict[str, float]:
         got = fc.wait_tensor(fc.all_to_all_single(x, [numel // world] * world, [numel // world] * world, group))
         return got.view(world, -1).sum(0)
 
-    def pieces_sum():  # what passes/scatter.py issues: column pieces of every block, all in flight
-        k = scatter.pieces(x.numel() * x.element_size(), world)
+    def pieces_sum():  # what passes/forms.py issues: column pieces of every block, all in flight
+        k = forms.pieces(x.numel() * x.element_size(), world)
         blocks, cols = x.view(world, -1), numel // world
-        bounds = scatter.piece_bounds(cols, k)
+        bounds = forms.piece_bounds(cols, k)
         sends = [blocks[:, lo:hi].contiguous() for lo, hi in zip(bounds, bounds[1:])]
         outs = [fc.all_to_all_single(t, [1] * world, [1] * world, group) for t in sends]
         return torch.cat([fc.wait_tensor(o).sum(0) for o in outs])
 
     def gather_pieces():  # the share sent to every rank by all-to-alls: what an all-gather moves
-        k = scatter.pieces(share.numel() * share.element_size() * world, world)
+        k = forms.pieces(share.numel() * share.element_size() * world, world)
         copies, cols = share.expand(world, -1), share.numel()
-        bounds = scatter.piece_bounds(cols, k)
+        bounds = forms.piece_bounds(cols, k)
         sends = [copies[:, lo:hi].contiguous() for lo, hi in zip(bounds, bounds[1:])]
         outs = [fc.all_to_all_single(t, [1] * world, [1] * world, group) for t in sends]
         return torch.cat([fc.wait_tensor(o) for o in outs], 1).reshape(-1)

@@ -88,21 +88,25 @@ class Need:
 
 
 RS_A2A = "reduce_scatter_a2a"
-"""The kind of a reduce-scatter that runs as an all-to-all and a sum (passes/scatter.py): timed in
+"""The kind of a reduce-scatter that runs as an all-to-all and a sum (passes/forms.py): timed in
 that form, cached apart from the backend's own, priced as "reduce_scatter"."""
+AG_A2A = "all_gather_a2a"
+"""The kind of an all-gather that runs as all-to-alls (passes/forms.py); priced as "all_gather"."""
+AS_A2A = {"reduce_scatter": RS_A2A, "all_gather": AG_A2A}
+PRICED_AS = {v: k for k, v in AS_A2A.items()}
 
 
 def needs_of(graph, options=None) -> dict[str, list[Need]]:
     """Per process-group name, the collectives to time for the graph's collectives: every
     kind at each collective's size and its chunks' sizes, merged where within ``MERGE``."""
-    from overlapc.passes import ops, scatter
+    from overlapc.passes import forms, ops
     from overlapc.passes.axis import even_splits
 
     out: dict[str, list[Need]] = {}
     for node in graph.nodes:
         kind = ops.COST_KIND.get(node.target)
-        if kind == "reduce_scatter" and options is not None and scatter.lowerable(node, options):
-            kind = RS_A2A
+        if kind in AS_A2A and options is not None and forms.lowerable(node, options):
+            kind = AS_A2A[kind]
         v = ops.val(node.args[0]) if kind else None
         name, world = (ops.group_name(node), ops.world_size(node)) if kind else (None, None)
         numel = ops.hint(v.numel()) if v is not None else None
@@ -150,7 +154,7 @@ def measured_profile(graph, base, options, graph_kind: str = ""):
         with _disable_current_modes():
             times = _measure_group(pg, name, needs, options, graph_kind)
         for need, (t, how) in times.items():
-            kind = "reduce_scatter" if need.kind == RS_A2A else need.kind
+            kind = PRICED_AS.get(need.kind, need.kind)
             curves.setdefault(world, {}).setdefault(kind, []).append((need.nbytes, t))
             counts[how] += 1
             if sources.get((kind, world)) != "measured":  # a kind is "measured" if any size was
@@ -345,8 +349,8 @@ class _Link:
     def run(self, kind: str, out, x):
         import torch.distributed as dist
 
-        if kind == RS_A2A:
-            self._rs_a2a(out, x)
+        if kind in PRICED_AS:
+            self._pieces(kind, out, x)
             return
         if self.gloo:
             work = {
@@ -364,16 +368,22 @@ class _Link:
             "all_to_all": lambda: dist.all_to_all_single(out, x, group=self.pg),
         }[kind]()
 
-    def _rs_a2a(self, out, x):
-        """A reduce-scatter as passes/scatter.py lowers it: all-to-alls of column pieces of
-        every block, all issued, then waited, then each piece's blocks summed."""
+    def _pieces(self, kind: str, out, x):
+        """A reduce-scatter or an all-gather as passes/forms.py lowers it: all-to-alls of
+        column pieces of every block, all issued, then waited (a reduce-scatter's blocks of
+        each piece then summed)."""
         import torch.distributed as dist
 
-        from overlapc.passes.scatter import piece_bounds, pieces
+        from overlapc.passes.forms import piece_bounds, pieces
 
         w = self.size
-        k = pieces(x.numel() * x.element_size(), w)
-        blocks, got = x.view(w, -1), out.view(w, -1)
+        got = out.view(1 if kind == RS_A2A else w, -1)
+        if kind == RS_A2A:
+            blocks = x.view(w, -1)
+            k = pieces(x.numel() * x.element_size(), w)
+        else:  # every peer gets the whole input
+            blocks = x.view(1, -1).expand(w, -1)
+            k = pieces(x.numel() * x.element_size() * w, w)
         bounds = piece_bounds(blocks.shape[1], k)
         sends = [blocks[:, lo:hi].contiguous() for lo, hi in zip(bounds, bounds[1:])]
         recvs = [torch.empty_like(t) for t in sends]
@@ -383,7 +393,10 @@ class _Link:
             works = [dist.all_to_all_single(r, t, group=self.pg, async_op=True) for r, t in zip(recvs, sends)]
         for wk, r, lo, hi in zip(works, recvs, bounds, bounds[1:]):
             wk.wait()
-            got[0, lo:hi] = r.sum(0)
+            if kind == RS_A2A:
+                got[0, lo:hi] = r.sum(0)
+            else:
+                got[:, lo:hi] = r
 
 
 def collective_fn(link: _Link, need: Need):
@@ -391,7 +404,8 @@ def collective_fn(link: _Link, need: Need):
     double that adds a delay in proportion to the bytes: a slow link without root)."""
     dtype = getattr(torch, need.dtype)
     x = torch.zeros(need.numel, dtype=dtype, device=link.device)
-    n_out = {"all_gather": link.size * need.numel, "reduce_scatter": need.numel // link.size}.get(need.kind, need.numel)
+    kind = PRICED_AS.get(need.kind, need.kind)
+    n_out = {"all_gather": link.size * need.numel, "reduce_scatter": need.numel // link.size}.get(kind, need.numel)
     out = torch.empty(n_out, dtype=dtype, device=link.device)
     return lambda: link.run(need.kind, out, x)
 

@@ -1,8 +1,9 @@
-"""Reduce-scatters as all-to-all + local sum (passes/scatter.py, option reduce_scatter).
+"""Reduce-scatters as all-to-all + local sum, all-gathers as all-to-alls (passes/forms.py,
+options reduce_scatter and all_gather).
 
-Which reduce-scatters are lowered, on the fake process group (its backend is "fake", so
-"auto" keeps them); values against gloo's own reduce-scatter on real worlds. Whole models
-with the lowering on (the default on gloo) are checked against eager in
+Which collectives are lowered, on the fake process group (its backend is "fake", so "auto"
+keeps them); values against gloo's own reduce-scatter and all-gather on real worlds. Whole
+models with the lowering on (the default on gloo) are checked against eager in
 tests/test_models_distributed.py and tests/test_rewrites_distributed.py.
 """
 
@@ -27,6 +28,10 @@ def _mm_rs(x, w):
 
 def _avg_rs(x):
     return funcol.reduce_scatter_tensor(x * 2, "avg", 0, dist.group.WORLD)
+
+
+def _ag_mm(x, w):
+    return funcol.all_gather_tensor(x, 0, dist.group.WORLD) @ w
 
 
 def _kinds(gm) -> dict[str, int]:
@@ -69,13 +74,20 @@ def test_which_reduce_scatters_are_lowered(fake_mesh8, how, strategy, want):
 )
 def test_auto_on_gloo(fake_mesh8, monkeypatch, opts, lowered):
     """ "auto" lowers on gloo groups; under strategy "none" only where slices rewrite the graph."""
-    from overlapc.passes import scatter
+    from overlapc.passes import forms
 
-    _, graphs = capture(_mm_rs, torch.randn(64, 16), torch.randn(16, 8), options={"strategy": "none"})
-    ((_, gm),) = graphs
-    (rs,) = [n for n in gm.graph.nodes if n.target is ops.REDUCE_SCATTER]
+    colls = []
+    for fn, x, w in (
+        (_mm_rs, torch.randn(64, 16), torch.randn(16, 8)),
+        (_ag_mm, torch.randn(8, 16), torch.randn(16, 8)),
+    ):
+        _, graphs = capture(fn, x, w, options={"strategy": "none"})
+        ((_, gm),) = graphs
+        colls += [n for n in gm.graph.nodes if n.target in (ops.REDUCE_SCATTER, ops.ALL_GATHER)]
+    assert len(colls) == 2
     monkeypatch.setattr(ops, "group_backend", lambda name: "gloo")
-    assert scatter.lowerable(rs, Options(**opts)) is lowered
+    assert [forms.lowerable(n, Options(**opts)) for n in colls] == [lowered] * 2
+    assert not any(forms.lowerable(n, Options(**opts, reduce_scatter="native", all_gather="native")) for n in colls)
 
 
 def test_large_reduce_scatters_go_in_pieces(fake_mesh8):
@@ -92,17 +104,57 @@ def test_large_reduce_scatters_go_in_pieces(fake_mesh8):
     assert list(ops.val(out).shape) == [128, 128]
 
 
+@pytest.mark.parametrize(
+    "how,strategy,want",
+    [
+        ("all_to_all", "decompose", {"all_to_all": 2}),
+        ("native", "decompose", {"all_gather": 2}),
+        ("auto", "decompose", {"all_gather": 2}),  # the fake group is not gloo
+        ("all_to_all", "none", {"all_to_all": 1}),
+    ],
+)
+def test_which_all_gathers_are_lowered(fake_mesh8, how, strategy, want):
+    opts = {"strategy": strategy, "chunks": 2, "all_gather": how, "schedule": False}
+    report, graphs = capture(_ag_mm, torch.randn(8, 16), torch.randn(16, 8), options=opts)
+    ((_, gm),) = graphs
+    assert _kinds(gm) == want
+    (row,) = report.by(pattern="all_gather_matmul")
+    assert ("all_gather_as" in row.details) == ("all_to_all" in want)
+    for a2a in (n for n in gm.graph.nodes if n.target is ops.ALL_TO_ALL):  # W copies of the input
+        assert list(a2a.args[1]) == list(a2a.args[2]) == [1] * 8 and ops.val(a2a.args[0]).shape[0] == 8
+
+
+def test_large_all_gathers_go_in_pieces(fake_mesh8):
+    """A (64, 256) fp32 input at world 8 is 64 KiB per peer: two 32 KiB pieces, each the input's
+    column range copied once per peer, issued before either is waited on, the result in
+    all_gather's layout."""
+    opts = {"strategy": "none", "all_gather": "all_to_all", "schedule": False}
+    _, graphs = capture(_ag_mm, torch.randn(64, 256), torch.randn(256, 8), options=opts)
+    ((_, gm),) = graphs
+    seq = list(gm.graph.nodes)
+    a2as = [n for n in seq if n.target is ops.ALL_TO_ALL]
+    assert len(a2as) == 2 and [list(ops.val(n.args[0]).shape) for n in a2as] == [[8, 8192]] * 2
+    assert max(seq.index(n) for n in a2as) < min(seq.index(ops.wait_of(n)) for n in a2as)
+    (mm,) = [n for n in seq if n.target is ops.aten.mm.default]
+    assert list(ops.val(mm.args[0]).shape) == [512, 256]
+
+
 def test_the_live_group_times_the_form_that_runs(fake_mesh8):
     _, graphs = capture(_mm_rs, torch.randn(64, 16), torch.randn(16, 8), options={"strategy": "none"})
     ((_, gm),) = graphs
     kinds = lambda opts: {n.kind for ns in live.needs_of(gm.graph, opts).values() for n in ns}  # noqa: E731
     assert kinds(Options(reduce_scatter="all_to_all")) == {live.RS_A2A}
     assert kinds(Options(reduce_scatter="native")) == {"reduce_scatter"}
+    _, graphs = capture(_ag_mm, torch.randn(8, 16), torch.randn(16, 8), options={"strategy": "none"})
+    ((_, gm),) = graphs
+    assert kinds(Options(all_gather="all_to_all")) == {live.AG_A2A}
+    assert kinds(Options(all_gather="native")) == {"all_gather"}
 
 
-def test_bad_reduce_scatter_option_names_the_choices():
-    with pytest.raises(OverlapError, match=r"reduce_scatter.*'auto'.*'all_to_all'.*'native'"):
-        overlapc.Options.from_user({"reduce_scatter": "ring"})
+@pytest.mark.parametrize("name", ["reduce_scatter", "all_gather"])
+def test_bad_form_option_names_the_choices(name):
+    with pytest.raises(OverlapError, match=rf"{name}.*'auto'.*'all_to_all'.*'native'"):
+        overlapc.Options.from_user({name: "ring"})
 
 
 def scatter_job(dtype_name: str) -> list[float]:
@@ -110,7 +162,7 @@ def scatter_job(dtype_name: str) -> list[float]:
     dtype = getattr(torch, dtype_name)
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(rank)
-    # 256 KiB of fp32: sent in pieces (passes/scatter.pieces), 4 at world 2, 2 at world 4
+    # 256 KiB of fp32: sent in pieces (passes/forms.pieces), 4 at world 2, 2 at world 4
     x, w = torch.randn(1024, 16, generator=g).to(dtype), torch.randn(16, 64, generator=g).to(dtype)
     errs = []
     for fn, args in ((_mm_rs, (x, w)), (_avg_rs, (x,))):
@@ -133,6 +185,44 @@ def test_all_to_all_form_equals_gloo_reduce_scatter(world_name, request):
     world = request.getfixturevalue(world_name)
     for errs in world.run(scatter_job, "float32"):
         assert max(errs) <= (0.0 if world_name == "world2" else 1e-5), errs
+
+
+def _ag(x):
+    return funcol.all_gather_tensor(x * 2, 0, dist.group.WORLD)
+
+
+def gather_job(dtype_name: str) -> tuple[float, float]:
+    """The all-to-all form against gloo's own all-gather of the same inputs, on this rank: a
+    bare all-gather of 256 KiB of fp32 (pieces: 16 at world 2, 8 at world 4) and an
+    all-gather -> matmul site cut in 2 chunks, both lowered (the latter by "auto" on gloo)."""
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x, w = torch.randn(256, 256, generator=g).to(dtype), torch.randn(256, 32, generator=g).to(dtype)
+    errs = []
+    for fn, args, opts in (
+        (_ag, (x,), {"strategy": "none", "all_gather": "all_to_all"}),
+        (_ag_mm, (x, w), {"strategy": "decompose", "chunks": 2}),
+    ):
+        want = fn(*args)
+        torch._dynamo.reset()
+        be = overlapc.backend(inner="eager", adapt=0, **opts)
+        got = torch.compile(fn, backend=be, fullgraph=True)(*args)
+        rows = [r for r in be.report.sites if r.collective_op == "all_gather_into_tensor"]
+        assert rows and all(r.details.get("all_gather_as") == "all_to_all" for r in rows), be.report
+        assert got.shape == want.shape and got.dtype == want.dtype
+        errs.append((got.float() - want.float()).abs().max().item())
+    return errs
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_name", ["world2", "world4"])
+def test_all_to_all_form_equals_gloo_all_gather(world_name, request):
+    """Moving bytes changes no value: the bare all-gather is exact. The site's two chunk
+    matmuls of 256 of the rows each may block the sum over k=256 otherwise than one matmul of all
+    rows: fp32 within 1e-4 of |values| ~ 16 (a few ulp)."""
+    world = request.getfixturevalue(world_name)
+    for exact, site in world.run(gather_job, "float32"):
+        assert exact == 0.0 and site <= 1e-4, (exact, site)
 
 
 def measure_job(cache_dir: str) -> tuple[str, set]:
