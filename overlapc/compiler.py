@@ -164,7 +164,7 @@ def _differs(changed: bool, rows, planned_rows) -> bool:
 
 def _raced_copies(g, opts: Options):
     """Copies of ``g`` before the passes change it, for option adapt: the baseline (None where
-    the graph is not adapted; its collectives lowered as options reduce_scatter and all_gather say) and the
+    the graph is not adapted; :func:`_lower_base` gives it the planned graph's collective forms) and the
     graph the alternative is planned on (None unless ``microbatches`` is "auto": the planner
     chose between slices and row chunks; the other races)."""
     from overlapc.passes.build import copy_graph_module
@@ -173,14 +173,18 @@ def _raced_copies(g, opts: Options):
 
     base = copy_graph_module(g) if may_adapt(opts) else None
     other = copy_graph_module(g) if base is not None and opts.microbatches == "auto" else None
-    if base is not None:
-        from overlapc.passes.forms import lower_collectives
-
-        # The program to beat runs its reduce-scatters and all-gathers as the planned one does
-        # (passes/forms.py): the race decides the sites, not the collective forms gloo makes slow.
-        if lower_collectives(base.graph, opts):
-            base.recompile()
     return base, other
+
+
+def _lower_base(base, opts: Options):
+    """The program to beat runs its reduce-scatters and all-gathers as the planned one does
+    (passes/forms.py): the race decides the sites, not the collective forms. Called after the
+    passes ran on the planned graph, which measured the forms on the live group."""
+    from overlapc.passes.forms import lower_collectives
+
+    if lower_collectives(base.graph, opts):
+        base.recompile()
+    return base
 
 
 def _alternative(gm, kind: str, opts: Options, be: Backend, serving, planned_rows):
@@ -307,7 +311,7 @@ def _compile_eager(gm, example_inputs, opts, be, serving=None):
                     alt = (make_boxed_func(name_waits(alt[0]).forward), *alt[1:])
                 return Adaptive(
                     planned,
-                    make_boxed_func(base.forward),
+                    make_boxed_func(_lower_base(base, opts).forward),
                     kind=kind,
                     rows=sites,
                     ranks=ranks,
@@ -401,7 +405,7 @@ def _compile_inductor(gm, example_inputs, opts, be, serving=None):
         ranks = base is not None and race_ranks(pass_.changed, pass_.sites)
         if not ranks or not callable(getattr(out, "current_callable", None)):
             return out
-        baseline = compile_beside(base, inputs, kw, None)  # the graph as captured: the program to beat
+        baseline = compile_beside(_lower_base(base, opts), inputs, kw, None)  # the program to beat
         if baseline is None:
             return out
         alt = None

@@ -63,9 +63,13 @@ LOWERED_BACKENDS = ("gloo",)
 """Backends whose reduce-scatter is an all-reduce underneath and whose all-gather stalls."""
 OPTION = {ops.REDUCE_SCATTER: "reduce_scatter", ops.ALL_GATHER: "all_gather"}
 """The option that says how each lowered kind runs."""
+VERDICT: dict[tuple, bool] = {}
+"""(group name, kind) -> whether "auto" lowers it there: the faster form measured on the live
+group at compile time (overlapc/runtime/live.choose_forms). Without a measurement (option
+``measure`` off, a profile named), "auto" lowers on the backends of LOWERED_BACKENDS."""
 
 
-def _group_lowered(name: str | None, kind, options: Options) -> bool:
+def _group_lowered(name: str | None, kind, options: Options, measured: bool = True) -> bool:
     how = getattr(options, OPTION[kind])
     if how == "native" or name is None:
         return False
@@ -78,7 +82,10 @@ def _group_lowered(name: str | None, kind, options: Options) -> bool:
         return False
     from overlapc.runtime import lanes
 
-    return ops.group_backend(lanes.base_group(name)) in LOWERED_BACKENDS
+    base = lanes.base_group(name)
+    if ops.group_backend(base) not in LOWERED_BACKENDS:
+        return False
+    return VERDICT.get((base, kind), True) if measured else True
 
 
 def pieces(nbytes: int, world: int) -> int:
@@ -92,10 +99,11 @@ def piece_bounds(cols: int, k: int) -> list[int]:
     return [cols * p // k for p in range(k + 1)]
 
 
-def lowerable(coll: Node, options: Options) -> bool:
+def lowerable(coll: Node, options: Options, measured: bool = True) -> bool:
     """Whether ``coll`` runs as all-to-alls under ``options``: a reduce-scatter (sum or
     average) of a static dim 0 that the world divides, or an all-gather of a static input,
-    floating point or int32/int64, over a group the kind's option lowers."""
+    floating point or int32/int64, over a group the kind's option lowers (``measured``: where
+    the form measured faster, :data:`VERDICT`)."""
     if coll.target not in OPTION or (coll.target is ops.REDUCE_SCATTER and coll.args[1] not in ("sum", "avg")):
         return False
     world, v = coll.args[2] if coll.target is ops.REDUCE_SCATTER else coll.args[1], ops.val(coll.args[0])
@@ -108,7 +116,7 @@ def lowerable(coll: Node, options: Options) -> bool:
         and (coll.target is ops.ALL_GATHER or rows % world == 0)
         and (v.is_floating_point() or v.dtype in (torch.int32, torch.int64))
         and ops.wait_of(coll) is not None
-        and _group_lowered(ops.group_name(coll), coll.target, options)
+        and _group_lowered(ops.group_name(coll), coll.target, options, measured)
     )
 
 

@@ -174,6 +174,7 @@ def graph_profile(graph, graph_kind: str, options: Options) -> cost.Profile | No
     from overlapc.runtime import live
 
     base = cost.load_profile(options.hardware)
+    live.choose_forms(graph, options, graph_kind)  # which form each kind runs in, measured
     if lowered_groups(graph, options):
         # Its reduce-scatters run as all-to-alls (passes/forms.py): priced as what runs, not
         # as the backend's reduce-scatter the profile measured (gloo's: an all-reduce).

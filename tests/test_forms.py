@@ -42,29 +42,42 @@ def _kinds(gm) -> dict[str, int]:
     return out
 
 
+SMALL = {  # kind: (fn, shapes of its inputs, the site pattern)
+    "reduce_scatter": (_mm_rs, [(64, 16), (16, 8)], "matmul_reduce_scatter"),
+    "all_gather": (_ag_mm, [(8, 16), (16, 8)], "all_gather_matmul"),
+}
+
+
 @pytest.mark.parametrize(
-    "how,strategy,want",
+    "kind,how,strategy,want",
     [
-        ("all_to_all", "decompose", {"all_to_all": 2}),  # each chunk of the rewritten site
-        ("all_to_all", "auto", {"all_to_all": 1}),
-        ("native", "decompose", {"reduce_scatter": 2}),
-        ("auto", "decompose", {"reduce_scatter": 2}),  # the fake group is not gloo
-        ("auto", "none", {"reduce_scatter": 1}),  # "none" rewrites nothing unless asked
-        ("all_to_all", "none", {"all_to_all": 1}),
+        ("reduce_scatter", "all_to_all", "decompose", {"all_to_all": 2}),  # each chunk of the rewritten site
+        ("reduce_scatter", "all_to_all", "auto", {"all_to_all": 1}),
+        ("reduce_scatter", "native", "decompose", {"reduce_scatter": 2}),
+        ("reduce_scatter", "auto", "decompose", {"reduce_scatter": 2}),  # the fake group is not gloo
+        ("reduce_scatter", "auto", "none", {"reduce_scatter": 1}),  # "none" rewrites nothing unless asked
+        ("reduce_scatter", "all_to_all", "none", {"all_to_all": 1}),
+        ("all_gather", "all_to_all", "decompose", {"all_to_all": 2}),
+        ("all_gather", "native", "decompose", {"all_gather": 2}),
+        ("all_gather", "auto", "decompose", {"all_gather": 2}),
+        ("all_gather", "all_to_all", "none", {"all_to_all": 1}),
     ],
 )
-def test_which_reduce_scatters_are_lowered(fake_mesh8, how, strategy, want):
-    opts = {"strategy": strategy, "chunks": 2, "reduce_scatter": how, "schedule": False}
-    report, graphs = capture(_mm_rs, torch.randn(64, 16), torch.randn(16, 8), options=opts)
+def test_which_collectives_are_lowered(fake_mesh8, kind, how, strategy, want):
+    fn, shapes, pattern = SMALL[kind]
+    opts = {"strategy": strategy, "chunks": 2, kind: how, "schedule": False}
+    report, graphs = capture(fn, *(torch.randn(*s) for s in shapes), options=opts)
     ((_, gm),) = graphs
     assert _kinds(gm) == want
-    (row,) = report.by(pattern="matmul_reduce_scatter")
-    assert ("reduce_scatter_as" in row.details) == ("all_to_all" in want)
-    if "all_to_all" in want:
-        a2a = next(n for n in gm.graph.nodes if n.target is ops.ALL_TO_ALL)
+    (row,) = report.by(pattern=pattern)
+    assert (f"{kind}_as" in row.details) == ("all_to_all" in want)
+    for a2a in (n for n in gm.graph.nodes if n.target is ops.ALL_TO_ALL):
         rows = ops.val(a2a.args[0]).shape[0]
-        assert list(a2a.args[1]) == list(a2a.args[2]) == [rows // 8] * 8
-        assert any(u.target is ops.aten.sum.dim_IntList for w in a2a.users for v in w.users for u in v.users)
+        if kind == "reduce_scatter":  # block j of the input to rank j, then the blocks summed
+            assert list(a2a.args[1]) == list(a2a.args[2]) == [rows // 8] * 8
+            assert any(u.target is ops.aten.sum.dim_IntList for w in a2a.users for v in w.users for u in v.users)
+        else:  # W copies of the input, one row each
+            assert list(a2a.args[1]) == list(a2a.args[2]) == [1] * 8 and rows == 8
 
 
 @pytest.mark.parametrize(
@@ -90,53 +103,31 @@ def test_auto_on_gloo(fake_mesh8, monkeypatch, opts, lowered):
     assert not any(forms.lowerable(n, Options(**opts, reduce_scatter="native", all_gather="native")) for n in colls)
 
 
-def test_large_reduce_scatters_go_in_pieces(fake_mesh8):
-    """A (1024, 128) fp32 input at world 8: 64 KiB per peer, two 32 KiB pieces, each an
-    all-to-all of one column range of every block, issued before either is waited on."""
-    opts = {"strategy": "none", "reduce_scatter": "all_to_all", "schedule": False}
-    _, graphs = capture(_mm_rs, torch.randn(1024, 16), torch.randn(16, 128), options=opts)
-    ((_, gm),) = graphs
-    seq = list(gm.graph.nodes)
-    a2as = [n for n in seq if n.target is ops.ALL_TO_ALL]
-    assert len(a2as) == 2 and [list(ops.val(n.args[0]).shape) for n in a2as] == [[8, 8192]] * 2
-    assert max(seq.index(n) for n in a2as) < min(seq.index(ops.wait_of(n)) for n in a2as)
-    (out,) = [n for n in seq if n.op == "output"][0].args[0]
-    assert list(ops.val(out).shape) == [128, 128]
-
-
 @pytest.mark.parametrize(
-    "how,strategy,want",
+    "kind,fn,shapes,result",
     [
-        ("all_to_all", "decompose", {"all_to_all": 2}),
-        ("native", "decompose", {"all_gather": 2}),
-        ("auto", "decompose", {"all_gather": 2}),  # the fake group is not gloo
-        ("all_to_all", "none", {"all_to_all": 1}),
+        # (1024, 128) input at world 8: 64 KiB per peer; the rank's (128, 128) share comes out
+        ("reduce_scatter", _mm_rs, [(1024, 16), (16, 128)], [128, 128]),
+        # (64, 256) input: 64 KiB to each peer; the matmul reads the (512, 256) gathered rows
+        ("all_gather", _ag_mm, [(64, 256), (256, 8)], [512, 256]),
     ],
 )
-def test_which_all_gathers_are_lowered(fake_mesh8, how, strategy, want):
-    opts = {"strategy": strategy, "chunks": 2, "all_gather": how, "schedule": False}
-    report, graphs = capture(_ag_mm, torch.randn(8, 16), torch.randn(16, 8), options=opts)
-    ((_, gm),) = graphs
-    assert _kinds(gm) == want
-    (row,) = report.by(pattern="all_gather_matmul")
-    assert ("all_gather_as" in row.details) == ("all_to_all" in want)
-    for a2a in (n for n in gm.graph.nodes if n.target is ops.ALL_TO_ALL):  # W copies of the input
-        assert list(a2a.args[1]) == list(a2a.args[2]) == [1] * 8 and ops.val(a2a.args[0]).shape[0] == 8
-
-
-def test_large_all_gathers_go_in_pieces(fake_mesh8):
-    """A (64, 256) fp32 input at world 8 is 64 KiB per peer: two 32 KiB pieces, each the input's
-    column range copied once per peer, issued before either is waited on, the result in
-    all_gather's layout."""
-    opts = {"strategy": "none", "all_gather": "all_to_all", "schedule": False}
-    _, graphs = capture(_ag_mm, torch.randn(64, 256), torch.randn(256, 8), options=opts)
+def test_large_collectives_go_in_pieces(fake_mesh8, kind, fn, shapes, result):
+    """Two 32 KiB pieces per peer, each an all-to-all of one column range of every block (an
+    all-gather: of the input, copied once per peer), issued before either is waited on, the
+    result in the collective's layout."""
+    opts = {"strategy": "none", kind: "all_to_all", "schedule": False}
+    _, graphs = capture(fn, *(torch.randn(*s) for s in shapes), options=opts)
     ((_, gm),) = graphs
     seq = list(gm.graph.nodes)
     a2as = [n for n in seq if n.target is ops.ALL_TO_ALL]
     assert len(a2as) == 2 and [list(ops.val(n.args[0]).shape) for n in a2as] == [[8, 8192]] * 2
     assert max(seq.index(n) for n in a2as) < min(seq.index(ops.wait_of(n)) for n in a2as)
-    (mm,) = [n for n in seq if n.target is ops.aten.mm.default]
-    assert list(ops.val(mm.args[0]).shape) == [512, 256]
+    if kind == "reduce_scatter":
+        (got,) = [n for n in seq if n.op == "output"][0].args[0]
+    else:
+        (got,) = [n.args[0] for n in seq if n.target is ops.aten.mm.default]
+    assert list(ops.val(got).shape) == result
 
 
 def test_the_live_group_times_the_form_that_runs(fake_mesh8):
@@ -157,24 +148,32 @@ def test_bad_form_option_names_the_choices(name):
         overlapc.Options.from_user({name: "ring"})
 
 
-def scatter_job(dtype_name: str) -> list[float]:
-    """Each form's error against gloo's own reduce-scatter of the same inputs, on this rank."""
-    dtype = getattr(torch, dtype_name)
-    rank = dist.get_rank()
-    g = torch.Generator().manual_seed(rank)
-    # 256 KiB of fp32: sent in pieces (passes/forms.pieces), 4 at world 2, 2 at world 4
-    x, w = torch.randn(1024, 16, generator=g).to(dtype), torch.randn(16, 64, generator=g).to(dtype)
+def _lowered_errors(cases, collective_op: str, detail: str) -> list[float]:
+    """Per (fn, args, options): the compiled fn's max error against eager (gloo's own
+    collectives), after checking that every ``collective_op`` of it ran as all-to-alls."""
     errs = []
-    for fn, args in ((_mm_rs, (x, w)), (_avg_rs, (x,))):
+    for fn, args, opts in cases:
         want = fn(*args)
         torch._dynamo.reset()
-        be = overlapc.backend(strategy="decompose", chunks=2, reduce_scatter="auto", inner="eager", adapt=0)
+        be = overlapc.backend(inner="eager", adapt=0, **opts)
         got = torch.compile(fn, backend=be, fullgraph=True)(*args)
-        rows = [r for r in be.report.sites if r.collective_op == "reduce_scatter_tensor"]
-        assert rows and all(r.details.get("reduce_scatter_as") == "all_to_all" for r in rows), be.report
+        rows = [r for r in be.report.sites if r.collective_op == collective_op]
+        assert rows and all(r.details.get(detail) == "all_to_all" for r in rows), be.report
         assert got.shape == want.shape and got.dtype == want.dtype
         errs.append((got.float() - want.float()).abs().max().item())
     return errs
+
+
+def scatter_job(dtype_name: str) -> list[float]:
+    """Each form's error against gloo's own reduce-scatter of the same inputs, on this rank."""
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    # 256 KiB of fp32: sent in pieces (passes/forms.pieces), 4 at world 2, 2 at world 4
+    x, w = torch.randn(1024, 16, generator=g).to(dtype), torch.randn(16, 64, generator=g).to(dtype)
+    opts = {"strategy": "decompose", "chunks": 2, "reduce_scatter": "all_to_all"}
+    return _lowered_errors(
+        [(_mm_rs, (x, w), opts), (_avg_rs, (x,), opts)], "reduce_scatter_tensor", "reduce_scatter_as"
+    )
 
 
 @pytest.mark.distributed
@@ -194,24 +193,15 @@ def _ag(x):
 def gather_job(dtype_name: str) -> tuple[float, float]:
     """The all-to-all form against gloo's own all-gather of the same inputs, on this rank: a
     bare all-gather of 256 KiB of fp32 (pieces: 16 at world 2, 8 at world 4) and an
-    all-gather -> matmul site cut in 2 chunks, both lowered (the latter by "auto" on gloo)."""
+    all-gather -> matmul site cut in 2 chunks, both lowered."""
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(dist.get_rank())
     x, w = torch.randn(256, 256, generator=g).to(dtype), torch.randn(256, 32, generator=g).to(dtype)
-    errs = []
-    for fn, args, opts in (
+    cases = [
         (_ag, (x,), {"strategy": "none", "all_gather": "all_to_all"}),
-        (_ag_mm, (x, w), {"strategy": "decompose", "chunks": 2}),
-    ):
-        want = fn(*args)
-        torch._dynamo.reset()
-        be = overlapc.backend(inner="eager", adapt=0, **opts)
-        got = torch.compile(fn, backend=be, fullgraph=True)(*args)
-        rows = [r for r in be.report.sites if r.collective_op == "all_gather_into_tensor"]
-        assert rows and all(r.details.get("all_gather_as") == "all_to_all" for r in rows), be.report
-        assert got.shape == want.shape and got.dtype == want.dtype
-        errs.append((got.float() - want.float()).abs().max().item())
-    return errs
+        (_ag_mm, (x, w), {"strategy": "decompose", "chunks": 2, "all_gather": "all_to_all"}),
+    ]
+    return _lowered_errors(cases, "all_gather_into_tensor", "all_gather_as")
 
 
 @pytest.mark.distributed
@@ -238,7 +228,7 @@ def measure_job(cache_dir: str) -> tuple[str, set]:
     live._CHECKED.clear()
     try:
         torch._dynamo.reset()
-        be = overlapc.backend(inner="eager", microbatches=1, measure=True, adapt=0)
+        be = overlapc.backend(inner="eager", microbatches=1, measure=True, adapt=0, reduce_scatter="all_to_all")
         torch.compile(_mm_rs, backend=be)(torch.randn(512, 64), torch.randn(64, 128))  # 256 KiB: 4 pieces
         (site,) = be.report.by(pattern="matmul_reduce_scatter")
         return site.details["predicted"]["numbers"], {k[3] for k in live._MEMO}

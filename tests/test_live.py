@@ -16,19 +16,23 @@ import torch.distributed._functional_collectives as funcol
 from overlapc.runtime import live
 
 
-def _link(rate: float, latency: float = 50e-6):
+def _link(rate: float, latency: float = 50e-6, a2a: float = 1.0):
     """A replacement for live.collective_fn: every collective takes latency + the bytes a
-    rank receives / ``rate``. The measurement's own barrier before each run lines the ranks
+    rank receives / ``rate`` (``a2a`` times that in the all-to-all forms of passes/forms.py).
+    The measurement's own barrier before each run lines the ranks
     up; a second one inside the double added gloo's barrier jitter on 2 busy cores (several
     ms), enough to flip the decisions this file checks."""
 
     def collective_fn(link, need):
-        moved = need.nbytes * (link.size - 1) * (1 if need.kind == "all_gather" else 1 / link.size)
+        gather = need.kind in ("all_gather", live.AG_A2A)  # either form: its input to every peer
+        moved = need.nbytes * (link.size - 1) * (1 if gather else 1 / link.size)
+
+        factor = a2a if need.kind in live.PRICED_AS else 1.0
 
         def run():
             import time
 
-            time.sleep(latency + moved / rate)
+            time.sleep((latency + moved / rate) * factor)
 
         calls.append(need)
         return run
@@ -41,8 +45,8 @@ class _Patched:
     """In a worker: the link double, a cache directory of the test's own and an empty memo;
     all put back on exit (the worker serves later tests)."""
 
-    def __init__(self, rate: float, cache_dir: str | None = None):
-        self.rate, self.cache_dir = rate, cache_dir
+    def __init__(self, rate: float, cache_dir: str | None = None, a2a: float = 1.0):
+        self.rate, self.cache_dir, self.a2a = rate, cache_dir, a2a
 
     def __enter__(self):
         from pathlib import Path
@@ -50,7 +54,7 @@ class _Patched:
         from overlapc.passes import cost
 
         self.saved = (live.collective_fn, cost.CACHE_DIR)
-        live.collective_fn, self.calls = _link(self.rate)
+        live.collective_fn, self.calls = _link(self.rate, a2a=self.a2a)
         if self.cache_dir:
             cost.CACHE_DIR = Path(self.cache_dir)
         live._MEMO.clear()
@@ -117,11 +121,13 @@ def test_slow_link_rewrites_fast_link_skips(world2, tmp_path):
     for r in fast:
         assert r["first"]["status"] == "skipped" and r["first"]["numbers"] == "measured", r
     assert slow[0]["first"]["profile"].endswith("+measured")
-    # sizes 1/8, 1/4, 1/2 and 1 of the collective, smallest first: on the slow link the first
-    # two already take twice the time for twice the bytes, so the larger two are left to the
-    # curve; on the fast one every size is latency-bound and measured
-    assert [r["first"]["measured"] for r in slow] == [2, 2], slow
-    assert [r["first"]["measured"] for r in fast] == [4, 4], fast
+    # First the whole all-gather in both forms (gloo's and all-to-alls: live.choose_forms; the
+    # double times them alike, so the all-to-all form is kept). Then the chunk sizes 1/8, 1/4
+    # and 1/2 in that form, smallest first: on the slow link the first two already take twice
+    # the time for twice the bytes, so 1/2 is left to the curve; on the fast one every size is
+    # latency-bound and measured.
+    assert [r["first"]["measured"] for r in slow] == [4, 4], slow
+    assert [r["first"]["measured"] for r in fast] == [5, 5], fast
     # every rank holds the slowest rank's numbers: the same predicted gain everywhere
     assert slow[0]["first"]["gain"] == slow[1]["first"]["gain"]
     for r in slow + fast:
@@ -130,6 +136,39 @@ def test_slow_link_rewrites_fast_link_skips(world2, tmp_path):
         assert r["again"]["numbers"] == "cached" and r["again"]["measured"] == 0, r
         # another dtype is another key: measured anew
         assert r["bf16"]["numbers"] == "measured" and r["bf16"]["measured"] > 0, r
+
+
+def forms_job(a2a: float, cache_dir: str) -> tuple[dict, set]:
+    """Job: AG(x) @ w -> RS compiled with default options and measure=True on a link double
+    whose all-to-all forms take ``a2a`` times gloo's own: the verdicts live.choose_forms
+    records, and the kinds the report says ran as all-to-alls."""
+    import overlapc
+    from overlapc.passes import forms, ops
+
+    group = dist.group.WORLD
+
+    def fn(x, w):
+        y = funcol.all_gather_tensor(x, gather_dim=0, group=group) @ w
+        return funcol.reduce_scatter_tensor(y, "sum", 0, group)
+
+    forms.VERDICT.clear()
+    with _Patched(100e6, cache_dir, a2a=a2a):
+        torch._dynamo.reset()
+        be = overlapc.backend(inner="eager", microbatches=1, measure=True, adapt=0)
+        torch.compile(fn, backend=be)(torch.randn(256, 256), torch.randn(256, 256))
+    verdicts = {ops.COST_KIND[k]: v for (_, k), v in forms.VERDICT.items()}
+    forms.VERDICT.clear()
+    return verdicts, {k for s in be.report.sites for k in s.details if k.endswith("_as")}
+
+
+@pytest.mark.distributed
+def test_forms_follow_the_measured_link(world2, tmp_path):
+    """Under "auto" each kind runs in the form the live group measured faster; a tie (the
+    all-to-all form within A2A_MARGIN) keeps the all-to-alls, which share the wire."""
+    for a2a, lowered in ((1.05, True), (3.0, False)):
+        for verdicts, kinds in world2.run(forms_job, a2a, str(tmp_path / str(a2a))):
+            assert verdicts == {"all_gather": lowered, "reduce_scatter": lowered}, (a2a, verdicts)
+            assert kinds == ({"all_gather_as", "reduce_scatter_as"} if lowered else set()), (a2a, kinds)
 
 
 def disk_cache_job(cache_dir: str, corrupt: bool, rate: float = 100e6) -> dict:

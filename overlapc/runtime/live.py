@@ -126,33 +126,89 @@ def needs_of(graph, options=None) -> dict[str, list[Need]]:
     return out
 
 
+def _live_group(name: str, options):
+    """The process group ``name`` if its collectives are to be timed under ``options`` (measure
+    on, no profile named, a real group), else None."""
+    import torch.distributed as dist
+
+    if not options.measure or options.hardware is not None or not dist.is_available() or not dist.is_initialized():
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        pg = _resolve_process_group(name)
+    except (ValueError, RuntimeError, KeyError):
+        return None
+    return None if dist.get_backend(pg) in ("fake",) else pg
+
+
+def _timed(pg, name: str, needs: list[Need], options, graph_kind: str) -> dict:
+    # Compilers call the passes under their fake (and tracing) modes: the measurements are
+    # real tensors and real collectives.
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return _measure_group(pg, name, needs, options, graph_kind)
+
+
+A2A_MARGIN = 1.1
+"""Under "auto", a kind runs as all-to-alls unless its own form is faster than this share of
+the all-to-all form's time: as all-to-alls both kinds share the wire, which one collective
+timed alone does not show (BENCHMARKS.md, "Defaults": the "native AG" column at 60 Mbit/s,
+world 4, where the two forms alone take the same time)."""
+
+
+def choose_forms(graph, options, graph_kind: str = "") -> dict:
+    """Where option ``reduce_scatter`` or ``all_gather`` is "auto" and the group's backend is one
+    passes/forms.py lowers on: time the kind's own form and its all-to-all form at the graph's
+    largest such collective on the live group, and record the faster for the group
+    (forms.VERDICT), so that the lowering follows the user's link: pieces beat gloo's forms on
+    a slow link, and lose to them where per-message costs dominate. Every rank gets the same
+    agreed times, so the same verdicts. Returns {(group, kind): lowered}."""
+    from overlapc.passes import forms, ops
+
+    largest: dict[tuple, Need] = {}
+    for node in graph.nodes:
+        if node.target not in forms.OPTION or getattr(options, forms.OPTION[node.target]) != "auto":
+            continue
+        name = ops.group_name(node)
+        if name is None or not forms.lowerable(node, options, measured=False):
+            continue
+        v = ops.val(node.args[0])
+        need = Need(ops.COST_KIND[node.target], ops.dtype_name(v), ops.hint(v.numel()))
+        key = (name, node.target)
+        if key not in largest or need.nbytes > largest[key].nbytes:
+            largest[key] = need
+    out = {}
+    for name in sorted({k[0] for k in largest}):
+        pg = _live_group(name, options)
+        if pg is None:
+            continue
+        kinds = sorted((k for k in largest if k[0] == name), key=lambda k: ops.COST_KIND[k[1]])
+        needs = [n for k in kinds for n in (largest[k], dataclasses.replace(largest[k], kind=AS_A2A[largest[k].kind]))]
+        times = _timed(pg, name, needs, options, graph_kind)
+        for k in kinds:
+            own, a2a = needs[2 * kinds.index(k)], needs[2 * kinds.index(k) + 1]
+            if own in times and a2a in times:
+                out[k] = forms.VERDICT[k] = times[a2a][0] <= A2A_MARGIN * times[own][0]
+    return out
+
+
 def measured_profile(graph, base, options, graph_kind: str = ""):
     """``base`` with curves measured on the live groups of ``graph``'s collectives (where
     ``options.measure`` is on, ``options.hardware`` is not set and the group communicates);
     ``base`` itself where nothing is measured."""
     import torch.distributed as dist
 
-    if not options.measure or options.hardware is not None or not dist.is_available() or not dist.is_initialized():
-        return base
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     curves: dict[int, dict[str, list]] = {}
     sources: dict[tuple, str] = {}
     t0, counts = time.perf_counter(), {"measured": 0, "cached": 0}
     for name, needs in sorted(needs_of(graph, options).items()):
-        try:
-            pg = _resolve_process_group(name)
-        except (ValueError, RuntimeError, KeyError):
-            continue
-        if dist.get_backend(pg) in ("fake",):
+        pg = _live_group(name, options)
+        if pg is None:
             continue
         world = dist.get_world_size(pg)
-        # Compilers call the passes under their fake (and tracing) modes: the measurements
-        # are real tensors and real collectives.
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        with _disable_current_modes():
-            times = _measure_group(pg, name, needs, options, graph_kind)
+        times = _timed(pg, name, needs, options, graph_kind)
         for need, (t, how) in times.items():
             kind = PRICED_AS.get(need.kind, need.kind)
             curves.setdefault(world, {}).setdefault(kind, []).append((need.nbytes, t))
