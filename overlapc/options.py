@@ -68,7 +68,8 @@ class Options:
     reduce_scatter: str = "auto"
     """How reduce-scatters run: "all_to_all" (an all-to-all, then each rank sums the blocks it received),
     "native" (the backend's own) or "auto": all-to-all on gloo groups, whose reduce-scatter is an all-reduce
-    moving twice the bytes (passes/forms.py), native elsewhere and under strategy "none" without slices."""
+    moving twice the bytes (passes/forms.py), where the live group measured that form no slower (``measure``);
+    native elsewhere and under strategy "none" without slices."""
     all_gather: str = "auto"
     """How all-gathers run: "all_to_all" (an all-to-all of W copies of the rank's input: the same bytes and
     values), "native" or "auto": all-to-all on gloo groups, whose all-gather stalls on its TCP transport and

@@ -63,10 +63,11 @@ LOWERED_BACKENDS = ("gloo",)
 """Backends whose reduce-scatter is an all-reduce underneath and whose all-gather stalls."""
 OPTION = {ops.REDUCE_SCATTER: "reduce_scatter", ops.ALL_GATHER: "all_gather"}
 """The option that says how each lowered kind runs."""
-VERDICT: dict[tuple, bool] = {}
-"""(group name, kind) -> whether "auto" lowers it there: the faster form measured on the live
-group at compile time (overlapc/runtime/live.choose_forms). Without a measurement (option
-``measure`` off, a profile named), "auto" lowers on the backends of LOWERED_BACKENDS."""
+VERDICT: dict[tuple, str] = {}
+"""(group name, kind) -> the form "auto" runs it in there: "native", "pieces" (all-to-alls in
+:func:`pieces`) or "whole" (one all-to-all), the fastest measured on the live group at compile
+time (overlapc/runtime/live.choose_forms). Without a measurement (option ``measure`` off, a
+profile named), "auto" lowers on the backends of LOWERED_BACKENDS, in pieces."""
 
 
 def _group_lowered(name: str | None, kind, options: Options, measured: bool = True) -> bool:
@@ -85,7 +86,17 @@ def _group_lowered(name: str | None, kind, options: Options, measured: bool = Tr
     base = lanes.base_group(name)
     if ops.group_backend(base) not in LOWERED_BACKENDS:
         return False
-    return VERDICT.get((base, kind), True) if measured else True
+    return VERDICT.get((base, kind), "pieces") != "native" if measured else True
+
+
+def form_of(coll: Node, options: Options) -> str:
+    """The all-to-all form a lowered collective is sent in: "pieces", or "whole" where "auto"
+    measured that faster on its group."""
+    from overlapc.runtime import lanes
+
+    if getattr(options, OPTION[coll.target]) != "auto":
+        return "pieces"
+    return "whole" if VERDICT.get((lanes.base_group(ops.group_name(coll)), coll.target)) == "whole" else "pieces"
 
 
 def pieces(nbytes: int, world: int) -> int:
@@ -132,10 +143,11 @@ def lower_collectives(graph: Graph, options: Options) -> dict:
     ones were rewritten}."""
     done: dict = {}
     for coll in [n for n in graph.nodes if lowerable(n, options)]:
+        whole = form_of(coll, options) == "whole"
         if coll.target is ops.REDUCE_SCATTER:
-            _lower_reduce_scatter(graph, coll)
+            _lower_reduce_scatter(graph, coll, whole)
         else:
-            _lower_all_gather(graph, coll)
+            _lower_all_gather(graph, coll, whole)
         done.setdefault(coll.target, set()).add(ops.group_name(coll))
         graph.erase_node(coll)
     return done
@@ -158,12 +170,12 @@ def _waits(b: Builder, a2as: list[Node], wait: Node) -> list[Node]:
     return out
 
 
-def _lower_reduce_scatter(graph: Graph, rs: Node) -> None:
+def _lower_reduce_scatter(graph: Graph, rs: Node, whole: bool) -> None:
     wait = ops.wait_of(rs)
     x, op, world, group = rs.args[:4]
     v = ops.val(x)
     shape, block = list(v.shape), v.numel() // world
-    k = pieces(v.numel() * v.element_size(), world)
+    k = 1 if whole else pieces(v.numel() * v.element_size(), world)
     bounds = piece_bounds(block, k)
     b = Builder(graph, like=rs)
     with graph.inserting_before(rs):
@@ -185,12 +197,12 @@ def _lower_reduce_scatter(graph: Graph, rs: Node) -> None:
     graph.erase_node(wait)
 
 
-def _lower_all_gather(graph: Graph, ag: Node) -> None:
+def _lower_all_gather(graph: Graph, ag: Node, whole: bool) -> None:
     wait = ops.wait_of(ag)
     x, world, group = ag.args[:3]
     v = ops.val(x)
     shape, block = list(v.shape), v.numel()
-    k = pieces(block * v.element_size() * world, world)
+    k = 1 if whole else pieces(block * v.element_size() * world, world)
     bounds = piece_bounds(block, k)
     b = Builder(graph, like=ag)
     with graph.inserting_before(ag):

@@ -130,6 +130,20 @@ def test_large_collectives_go_in_pieces(fake_mesh8, kind, fn, shapes, result):
     assert list(ops.val(got).shape) == result
 
 
+@pytest.mark.parametrize("verdict,a2as", [("whole", 1), ("pieces", 2), ("native", 0)])
+def test_auto_sends_the_measured_form(fake_mesh8, monkeypatch, verdict, a2as):
+    """Under "auto" on gloo, the form live.choose_forms measured fastest for the group: one
+    all-to-all, pieces (64 KiB per peer: two), or gloo's own."""
+    from overlapc.passes import forms
+
+    monkeypatch.setattr(ops, "group_backend", lambda name: "gloo")
+    monkeypatch.setattr(forms, "VERDICT", {(dist.group.WORLD.group_name, ops.ALL_GATHER): verdict})
+    opts = {"strategy": "none", "microbatches": 2, "schedule": False, "measure": False}
+    _, graphs = capture(_ag, torch.randn(64, 256), options=opts)
+    ((_, gm),) = graphs
+    assert sum(n.target is ops.ALL_TO_ALL for n in gm.graph.nodes) == a2as
+
+
 def test_the_live_group_times_the_form_that_runs(fake_mesh8):
     _, graphs = capture(_mm_rs, torch.randn(64, 16), torch.randn(16, 8), options={"strategy": "none"})
     ((_, gm),) = graphs

@@ -16,18 +16,19 @@ import torch.distributed._functional_collectives as funcol
 from overlapc.runtime import live
 
 
-def _link(rate: float, latency: float = 50e-6, a2a: float = 1.0):
+def _link(rate: float, latency: float = 50e-6, a2a: float = 1.0, whole: float = 1.0):
     """A replacement for live.collective_fn: every collective takes latency + the bytes a
-    rank receives / ``rate`` (``a2a`` times that in the all-to-all forms of passes/forms.py).
+    rank receives / ``rate`` (``a2a`` times that in the all-to-all forms of passes/forms.py,
+    ``whole`` times that again in the form sent as one all-to-all).
     The measurement's own barrier before each run lines the ranks
     up; a second one inside the double added gloo's barrier jitter on 2 busy cores (several
     ms), enough to flip the decisions this file checks."""
 
     def collective_fn(link, need):
-        gather = need.kind in ("all_gather", live.AG_A2A)  # either form: its input to every peer
+        gather = live.PRICED_AS.get(need.kind, need.kind) == "all_gather"  # any form: its input to every peer
         moved = need.nbytes * (link.size - 1) * (1 if gather else 1 / link.size)
 
-        factor = a2a if need.kind in live.PRICED_AS else 1.0
+        factor = (a2a if need.kind in live.PRICED_AS else 1.0) * (whole if need.kind.endswith(live.WHOLE) else 1.0)
 
         def run():
             import time
@@ -45,8 +46,8 @@ class _Patched:
     """In a worker: the link double, a cache directory of the test's own and an empty memo;
     all put back on exit (the worker serves later tests)."""
 
-    def __init__(self, rate: float, cache_dir: str | None = None, a2a: float = 1.0):
-        self.rate, self.cache_dir, self.a2a = rate, cache_dir, a2a
+    def __init__(self, rate: float, cache_dir: str | None = None, a2a: float = 1.0, whole: float = 1.0):
+        self.rate, self.cache_dir, self.a2a, self.whole = rate, cache_dir, a2a, whole
 
     def __enter__(self):
         from pathlib import Path
@@ -54,7 +55,7 @@ class _Patched:
         from overlapc.passes import cost
 
         self.saved = (live.collective_fn, cost.CACHE_DIR)
-        live.collective_fn, self.calls = _link(self.rate, a2a=self.a2a)
+        live.collective_fn, self.calls = _link(self.rate, a2a=self.a2a, whole=self.whole)
         if self.cache_dir:
             cost.CACHE_DIR = Path(self.cache_dir)
         live._MEMO.clear()
@@ -121,13 +122,13 @@ def test_slow_link_rewrites_fast_link_skips(world2, tmp_path):
     for r in fast:
         assert r["first"]["status"] == "skipped" and r["first"]["numbers"] == "measured", r
     assert slow[0]["first"]["profile"].endswith("+measured")
-    # First the whole all-gather in both forms (gloo's and all-to-alls: live.choose_forms; the
-    # double times them alike, so the all-to-all form is kept). Then the chunk sizes 1/8, 1/4
-    # and 1/2 in that form, smallest first: on the slow link the first two already take twice
-    # the time for twice the bytes, so 1/2 is left to the curve; on the fast one every size is
-    # latency-bound and measured.
-    assert [r["first"]["measured"] for r in slow] == [4, 4], slow
-    assert [r["first"]["measured"] for r in fast] == [5, 5], fast
+    # First the whole all-gather in its three forms (gloo's, all-to-all pieces, one all-to-all:
+    # live.choose_forms; the double times them alike, so pieces are kept). Then the chunk sizes
+    # 1/8, 1/4 and 1/2 in pieces, smallest first: on the slow link the first two already take
+    # twice the time for twice the bytes, so 1/2 is left to the curve; on the fast one every
+    # size is latency-bound and measured.
+    assert [r["first"]["measured"] for r in slow] == [5, 5], slow
+    assert [r["first"]["measured"] for r in fast] == [6, 6], fast
     # every rank holds the slowest rank's numbers: the same predicted gain everywhere
     assert slow[0]["first"]["gain"] == slow[1]["first"]["gain"]
     for r in slow + fast:
@@ -138,10 +139,11 @@ def test_slow_link_rewrites_fast_link_skips(world2, tmp_path):
         assert r["bf16"]["numbers"] == "measured" and r["bf16"]["measured"] > 0, r
 
 
-def forms_job(a2a: float, cache_dir: str) -> tuple[dict, set]:
+def forms_job(a2a: float, whole: float, cache_dir: str) -> tuple[dict, set]:
     """Job: AG(x) @ w -> RS compiled with default options and measure=True on a link double
-    whose all-to-all forms take ``a2a`` times gloo's own: the verdicts live.choose_forms
-    records, and the kinds the report says ran as all-to-alls."""
+    whose all-to-all forms take ``a2a`` times gloo's own (``whole`` times that again sent as
+    one all-to-all): the verdicts live.choose_forms records, and the kinds the report says ran
+    as all-to-alls."""
     import overlapc
     from overlapc.passes import forms, ops
 
@@ -152,7 +154,7 @@ def forms_job(a2a: float, cache_dir: str) -> tuple[dict, set]:
         return funcol.reduce_scatter_tensor(y, "sum", 0, group)
 
     forms.VERDICT.clear()
-    with _Patched(100e6, cache_dir, a2a=a2a):
+    with _Patched(100e6, cache_dir, a2a=a2a, whole=whole):
         torch._dynamo.reset()
         be = overlapc.backend(inner="eager", microbatches=1, measure=True, adapt=0)
         torch.compile(fn, backend=be)(torch.randn(256, 256), torch.randn(256, 256))
@@ -163,12 +165,13 @@ def forms_job(a2a: float, cache_dir: str) -> tuple[dict, set]:
 
 @pytest.mark.distributed
 def test_forms_follow_the_measured_link(world2, tmp_path):
-    """Under "auto" each kind runs in the form the live group measured faster; a tie (the
-    all-to-all form within A2A_MARGIN) keeps the all-to-alls, which share the wire."""
-    for a2a, lowered in ((1.05, True), (3.0, False)):
-        for verdicts, kinds in world2.run(forms_job, a2a, str(tmp_path / str(a2a))):
-            assert verdicts == {"all_gather": lowered, "reduce_scatter": lowered}, (a2a, verdicts)
-            assert kinds == ({"all_gather_as", "reduce_scatter_as"} if lowered else set()), (a2a, kinds)
+    """Under "auto" each kind runs in the form the live group measured fastest; a near tie (the
+    all-to-all form within A2A_MARGIN of gloo's) keeps the all-to-alls, which share the wire."""
+    for a2a, whole, form in ((1.05, 1.5, "pieces"), (3.0, 1.0, "native"), (1.0, 0.5, "whole"), (3.0, 0.5, "native")):
+        for verdicts, kinds in world2.run(forms_job, a2a, whole, str(tmp_path / f"{a2a}_{whole}")):
+            assert verdicts == {"all_gather": form, "reduce_scatter": form}, (a2a, whole, verdicts)
+            lowered = form != "native"
+            assert kinds == ({"all_gather_as", "reduce_scatter_as"} if lowered else set()), (a2a, whole, kinds)
 
 
 def disk_cache_job(cache_dir: str, corrupt: bool, rate: float = 100e6) -> dict:

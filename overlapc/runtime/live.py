@@ -93,7 +93,14 @@ that form, cached apart from the backend's own, priced as "reduce_scatter"."""
 AG_A2A = "all_gather_a2a"
 """The kind of an all-gather that runs as all-to-alls (passes/forms.py); priced as "all_gather"."""
 AS_A2A = {"reduce_scatter": RS_A2A, "all_gather": AG_A2A}
-PRICED_AS = {v: k for k, v in AS_A2A.items()}
+WHOLE = "_whole"
+"""Suffix of a lowered kind sent as one all-to-all, not in pieces (forms.VERDICT "whole")."""
+PRICED_AS = {**{v: k for k, v in AS_A2A.items()}, **{v + WHOLE: k for k, v in AS_A2A.items()}}
+
+
+def a2a_kind(kind: str, form: str) -> str:
+    """The measured kind of ``kind`` ("reduce_scatter", "all_gather") lowered in ``form``."""
+    return AS_A2A[kind] + (WHOLE if form == "whole" else "")
 
 
 def needs_of(graph, options=None) -> dict[str, list[Need]]:
@@ -106,7 +113,7 @@ def needs_of(graph, options=None) -> dict[str, list[Need]]:
     for node in graph.nodes:
         kind = ops.COST_KIND.get(node.target)
         if kind in AS_A2A and options is not None and forms.lowerable(node, options):
-            kind = AS_A2A[kind]
+            kind = a2a_kind(kind, forms.form_of(node, options))
         v = ops.val(node.args[0]) if kind else None
         name, world = (ops.group_name(node), ops.world_size(node)) if kind else (None, None)
         numel = ops.hint(v.numel()) if v is not None else None
@@ -114,7 +121,7 @@ def needs_of(graph, options=None) -> dict[str, list[Need]]:
             continue
         if kind == "all_to_all" and not even_splits(node):
             continue  # each rank sends its own rows (dropless pipelines: priced by the model)
-        unit = world if kind in ("reduce_scatter", RS_A2A, "all_to_all") else 1  # inputs split across the ranks
+        unit = 1 if PRICED_AS.get(kind, kind) == "all_gather" else world  # inputs split across the ranks
         have = out.setdefault(name, [])
         for d in CHUNK_DIVISORS:
             n = max(unit, numel // d // unit * unit)
@@ -152,19 +159,22 @@ def _timed(pg, name: str, needs: list[Need], options, graph_kind: str) -> dict:
 
 
 A2A_MARGIN = 1.1
-"""Under "auto", a kind runs as all-to-alls unless its own form is faster than this share of
-the all-to-all form's time: as all-to-alls both kinds share the wire, which one collective
-timed alone does not show (BENCHMARKS.md, "Defaults": the "native AG" column at 60 Mbit/s,
-world 4, where the two forms alone take the same time)."""
+"""Under "auto", a kind runs as all-to-alls unless its own form is faster than the faster
+all-to-all form (pieces or whole) by more than this factor: as all-to-alls both kinds share
+the wire, which one collective timed alone does not show (BENCHMARKS.md, "Defaults": the
+"native AG" column at 60 Mbit/s, world 4, where the two forms alone take the same time)."""
 
 
 def choose_forms(graph, options, graph_kind: str = "") -> dict:
     """Where option ``reduce_scatter`` or ``all_gather`` is "auto" and the group's backend is one
-    passes/forms.py lowers on: time the kind's own form and its all-to-all form at the graph's
-    largest such collective on the live group, and record the faster for the group
-    (forms.VERDICT), so that the lowering follows the user's link: pieces beat gloo's forms on
-    a slow link, and lose to them where per-message costs dominate. Every rank gets the same
-    agreed times, so the same verdicts. Returns {(group, kind): lowered}."""
+    passes/forms.py lowers on: time the kind's own form and its all-to-all forms (in pieces, and
+    whole where it would go in pieces) at the graph's largest such collective on the live
+    group, and record the form to run for the group (forms.VERDICT: "native", "pieces" or
+    "whole"), so that the lowering follows the user's link: pieces beat gloo's forms on a slow
+    link, and lose to them where per-message costs dominate. Every rank gets the same agreed
+    times, so the same verdicts. Returns {(group, kind): form}."""
+    import torch.distributed as dist
+
     from overlapc.passes import forms, ops
 
     largest: dict[tuple, Need] = {}
@@ -184,13 +194,20 @@ def choose_forms(graph, options, graph_kind: str = "") -> dict:
         pg = _live_group(name, options)
         if pg is None:
             continue
+        world = dist.get_world_size(pg)
         kinds = sorted((k for k in largest if k[0] == name), key=lambda k: ops.COST_KIND[k[1]])
-        needs = [n for k in kinds for n in (largest[k], dataclasses.replace(largest[k], kind=AS_A2A[largest[k].kind]))]
-        times = _timed(pg, name, needs, options, graph_kind)
+        cands = {}  # (group, kind) -> {form: need}
         for k in kinds:
-            own, a2a = needs[2 * kinds.index(k)], needs[2 * kinds.index(k) + 1]
-            if own in times and a2a in times:
-                out[k] = forms.VERDICT[k] = times[a2a][0] <= A2A_MARGIN * times[own][0]
+            own = largest[k]
+            in_bytes = own.nbytes * (world if own.kind == "all_gather" else 1)  # an RS input's worth
+            forms_ = ("pieces", "whole") if forms.pieces(in_bytes, world) > 1 else ("pieces",)
+            cands[k] = {"native": own, **{f: dataclasses.replace(own, kind=a2a_kind(own.kind, f)) for f in forms_}}
+        times = _timed(pg, name, [n for c in cands.values() for n in c.values()], options, graph_kind)
+        for k, c in cands.items():
+            got = {f: times[n][0] for f, n in c.items() if n in times}
+            if "native" in got and "pieces" in got:
+                best = min((f for f in got if f != "native"), key=got.get)
+                out[k] = forms.VERDICT[k] = best if got[best] <= A2A_MARGIN * got["native"] else "native"
     return out
 
 
@@ -433,13 +450,16 @@ class _Link:
         from overlapc.passes.forms import piece_bounds, pieces
 
         w = self.size
-        got = out.view(1 if kind == RS_A2A else w, -1)
-        if kind == RS_A2A:
+        rs = PRICED_AS[kind] == "reduce_scatter"
+        got = out.view(1 if rs else w, -1)
+        if rs:
             blocks = x.view(w, -1)
             k = pieces(x.numel() * x.element_size(), w)
         else:  # every peer gets the whole input
             blocks = x.view(1, -1).expand(w, -1)
             k = pieces(x.numel() * x.element_size() * w, w)
+        if kind.endswith(WHOLE):
+            k = 1
         bounds = piece_bounds(blocks.shape[1], k)
         sends = [blocks[:, lo:hi].contiguous() for lo, hi in zip(bounds, bounds[1:])]
         recvs = [torch.empty_like(t) for t in sends]
@@ -449,7 +469,7 @@ class _Link:
             works = [dist.all_to_all_single(r, t, group=self.pg, async_op=True) for r, t in zip(recvs, sends)]
         for wk, r, lo, hi in zip(works, recvs, bounds, bounds[1:]):
             wk.wait()
-            if kind == RS_A2A:
+            if rs:
                 got[0, lo:hi] = r.sum(0)
             else:
                 got[:, lo:hi] = r
