@@ -83,26 +83,37 @@ def _group_lowered(name: str | None, kind, options: Options, measured: bool = Tr
         return False
     from overlapc.runtime import lanes
 
-    base = lanes.base_group(name)
-    if ops.group_backend(base) not in LOWERED_BACKENDS:
+    if ops.group_backend(lanes.base_group(name)) not in LOWERED_BACKENDS:
         return False
-    return VERDICT.get((base, kind), "pieces") != "native" if measured else True
+    return _verdict(name, kind) != "native" if measured else True
+
+
+def _verdict(name: str, kind) -> str:
+    """The form :data:`VERDICT` holds for ``kind`` on group ``name`` (a lane: its base group);
+    "pieces" where nothing was measured."""
+    from overlapc.runtime import lanes
+
+    return VERDICT.get((lanes.base_group(name), kind), "pieces")
 
 
 def form_of(coll: Node, options: Options) -> str:
     """The all-to-all form a lowered collective is sent in: "pieces", or "whole" where "auto"
     measured that faster on its group."""
-    from overlapc.runtime import lanes
-
     if getattr(options, OPTION[coll.target]) != "auto":
         return "pieces"
-    return "whole" if VERDICT.get((lanes.base_group(ops.group_name(coll)), coll.target)) == "whole" else "pieces"
+    return "whole" if _verdict(ops.group_name(coll), coll.target) == "whole" else "pieces"
 
 
 def pieces(nbytes: int, world: int) -> int:
-    """All-to-alls one reduce-scatter of ``nbytes`` (one rank's input) is sent as; an
-    all-gather of ``b`` bytes sends as many as a reduce-scatter of ``b * world``."""
+    """All-to-alls one reduce-scatter of ``nbytes`` (one rank's input) is sent as."""
     return max(1, min(MAX_PIECES, math.ceil(nbytes / world / PIECE_BYTES)))
+
+
+def piece_count(gather: bool, nbytes: int, world: int) -> int:
+    """:func:`pieces` of a reduce-scatter, or of an all-gather (``gather``), of ``nbytes`` per
+    rank: an all-gather sends its whole input to every peer, as a reduce-scatter of ``nbytes *
+    world`` does."""
+    return pieces(nbytes * world if gather else nbytes, world)
 
 
 def piece_bounds(cols: int, k: int) -> list[int]:
@@ -175,7 +186,7 @@ def _lower_reduce_scatter(graph: Graph, rs: Node, whole: bool) -> None:
     x, op, world, group = rs.args[:4]
     v = ops.val(x)
     shape, block = list(v.shape), v.numel() // world
-    k = 1 if whole else pieces(v.numel() * v.element_size(), world)
+    k = 1 if whole else piece_count(False, v.numel() * v.element_size(), world)
     bounds = piece_bounds(block, k)
     b = Builder(graph, like=rs)
     with graph.inserting_before(rs):
@@ -202,7 +213,7 @@ def _lower_all_gather(graph: Graph, ag: Node, whole: bool) -> None:
     x, world, group = ag.args[:3]
     v = ops.val(x)
     shape, block = list(v.shape), v.numel()
-    k = 1 if whole else pieces(block * v.element_size() * world, world)
+    k = 1 if whole else piece_count(True, block * v.element_size(), world)
     bounds = piece_bounds(block, k)
     b = Builder(graph, like=ag)
     with graph.inserting_before(ag):

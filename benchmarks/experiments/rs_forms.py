@@ -53,7 +53,7 @@ def forms_job(numel: int, reps: int) -> dict[str, float]:
         return torch.cat([fc.wait_tensor(o).sum(0) for o in outs])
 
     def gather_pieces():  # the share sent to every rank by all-to-alls: what an all-gather moves
-        k = forms.pieces(share.numel() * share.element_size() * world, world)
+        k = forms.piece_count(True, share.numel() * share.element_size(), world)
         copies, cols = share.expand(world, -1), share.numel()
         bounds = forms.piece_bounds(cols, k)
         sends = [copies[:, lo:hi].contiguous() for lo, hi in zip(bounds, bounds[1:])]

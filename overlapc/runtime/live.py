@@ -199,8 +199,8 @@ def choose_forms(graph, options, graph_kind: str = "") -> dict:
         cands = {}  # (group, kind) -> {form: need}
         for k in kinds:
             own = largest[k]
-            in_bytes = own.nbytes * (world if own.kind == "all_gather" else 1)  # an RS input's worth
-            forms_ = ("pieces", "whole") if forms.pieces(in_bytes, world) > 1 else ("pieces",)
+            split = forms.piece_count(own.kind == "all_gather", own.nbytes, world) > 1
+            forms_ = ("pieces", "whole") if split else ("pieces",)
             cands[k] = {"native": own, **{f: dataclasses.replace(own, kind=a2a_kind(own.kind, f)) for f in forms_}}
         times = _timed(pg, name, [n for c in cands.values() for n in c.values()], options, graph_kind)
         for k, c in cands.items():
@@ -447,19 +447,13 @@ class _Link:
         each piece then summed)."""
         import torch.distributed as dist
 
-        from overlapc.passes.forms import piece_bounds, pieces
+        from overlapc.passes.forms import piece_bounds, piece_count
 
         w = self.size
         rs = PRICED_AS[kind] == "reduce_scatter"
         got = out.view(1 if rs else w, -1)
-        if rs:
-            blocks = x.view(w, -1)
-            k = pieces(x.numel() * x.element_size(), w)
-        else:  # every peer gets the whole input
-            blocks = x.view(1, -1).expand(w, -1)
-            k = pieces(x.numel() * x.element_size() * w, w)
-        if kind.endswith(WHOLE):
-            k = 1
+        blocks = x.view(w, -1) if rs else x.view(1, -1).expand(w, -1)  # all-gather: the input to every peer
+        k = 1 if kind.endswith(WHOLE) else piece_count(not rs, x.numel() * x.element_size(), w)
         bounds = piece_bounds(blocks.shape[1], k)
         sends = [blocks[:, lo:hi].contiguous() for lo, hi in zip(bounds, bounds[1:])]
         recvs = [torch.empty_like(t) for t in sends]
