@@ -517,7 +517,7 @@ def test_gpu_checks_smoke_runs_every_stage(tmp_path):
     assert all(res["problems"] == [] for res in st.values()), st
     w = st["workspace"]
     assert w["flags_ok"] and w["data_ok"] and w["pipelined_ok"] and w["abort_ok"], w
-    assert st["pipe"]["calls"] == 3 and not st["pipe"]["starved"] and st["pipe"]["max_err"] == 0.0
+    assert st["pipe"]["calls"] == 3 and not st["pipe"]["starved"] and st["pipe"]["max_err_vs_alone"] == 0.0
     assert len(st["ag"]["cases"]) == len(st["rs"]["cases"]) == 1  # one config under the interpreter
     assert st["grouped"]["max_err_vs_loop"] == {"y": 0.0, "dx": 0.0, "dw": 0.0}
     assert set(st["ulysses"]["attention_calls"]) == {"forward", "backward"}  # the CPU's flash op here
