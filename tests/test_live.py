@@ -123,7 +123,8 @@ def test_slow_link_rewrites_fast_link_skips(world2, tmp_path):
     slow = world2.run(live_job, {"rate": 10e6, "whole": 1.5}, str(tmp_path / "slow"))
     fast = world2.run(live_job, {"rate": 100e9, "whole": 1.5}, str(tmp_path / "fast"))
     for r in slow:
-        assert r["first"]["status"] == "rewritten" and r["first"]["numbers"] == "measured", (r["first"]["reason"], r["first"]["gain"])
+        first = r["first"]
+        assert first["status"] == "rewritten" and first["numbers"] == "measured", (first["reason"], first["gain"])
     for r in fast:
         assert r["first"]["status"] == "skipped" and r["first"]["numbers"] == "measured", r
     assert slow[0]["first"]["profile"].endswith("+measured")
