@@ -114,7 +114,8 @@ def write_report(name: str, title: str, model: dict, rows: list[dict], cmd: str)
     lines += [
         "",
         "What option adapt kept in the first calls (graph: program kept, planned / baseline ms at the slowest "
-        "rank, and / alternative ms where the other family raced too):",
+        "rank, and / alternative ms where the other family raced too), and the form each lowered "
+        "collective kind ran in (passes/forms.py):",
         "",
     ]
     for r in rows:
@@ -125,7 +126,10 @@ def write_report(name: str, title: str, model: dict, rows: list[dict], cmd: str)
                 for g, kept, p, b, a in got
             ]
             text = "; ".join(cells) or "no graph raced"
-            lines.append(f"- {r['rate_mbit']:.0f} Mbit/s, world {r['world_size']}, {r['mode']}, {n}: {text}")
+            forms = ", ".join(r.get("variants", {}).get(n, {}).get("forms") or []) or "gloo's own"
+            lines.append(
+                f"- {r['rate_mbit']:.0f} Mbit/s, world {r['world_size']}, {r['mode']}, {n}: {text}; forms: {forms}"
+            )
     lines += [
         "",
         "Compile time the live-group measurement adds (rank 0; first step: the compiling call, forward "

@@ -227,6 +227,15 @@ def bench_job(cfg: dict) -> dict:
                     if s.details.get("measured")
                 }
             ),
+            # the form each lowered kind ran in (passes/forms.py); gloo's own where absent
+            "forms": sorted(
+                {
+                    f"{k[:-3]}: {v}"
+                    for s in variants[name][2].report.sites
+                    for k, v in s.details.items()
+                    if k.endswith("_as")
+                }
+            ),
             # what the variant's planner decided per site: a gap to the best variant starts here
             "plan": {s.name: _plan_cell(s) for s in variants[name][2].report.sites if s.pattern != "collective"},
         }

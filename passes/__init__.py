@@ -51,7 +51,7 @@ def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None) -
     for r in rows:
         for kind, groups in as_all_to_all.items():
             if r.collective_op == ops.MATCHED_COLLECTIVES[kind] and r.group in groups:
-                r.details[f"{ops.COST_KIND[kind]}_as"] = "all_to_all"
+                r.details[f"{ops.COST_KIND[kind]}_as"] = groups[r.group]
     rows.sort(key=lambda r: order.get(r.collective, 0))
     rows = slicing.rows + merged + rows
     gm.graph.lint()

@@ -150,16 +150,16 @@ def lowered_groups(graph: Graph, options: Options, kind=ops.REDUCE_SCATTER) -> s
 
 def lower_collectives(graph: Graph, options: Options) -> dict:
     """Rewrite each :func:`lowerable` collective of ``graph`` in place as all-to-alls (and, for a
-    reduce-scatter, a sum of the blocks received); returns {kind: names of the groups whose
-    ones were rewritten}."""
+    reduce-scatter, a sum of the blocks received); returns {kind: {name of a group whose ones
+    were rewritten: "all_to_all pieces" or "all_to_all whole"}}."""
     done: dict = {}
     for coll in [n for n in graph.nodes if lowerable(n, options)]:
-        whole = form_of(coll, options) == "whole"
+        form = form_of(coll, options)
         if coll.target is ops.REDUCE_SCATTER:
-            _lower_reduce_scatter(graph, coll, whole)
+            _lower_reduce_scatter(graph, coll, form == "whole")
         else:
-            _lower_all_gather(graph, coll, whole)
-        done.setdefault(coll.target, set()).add(ops.group_name(coll))
+            _lower_all_gather(graph, coll, form == "whole")
+        done.setdefault(coll.target, {})[ops.group_name(coll)] = f"all_to_all {form}"
         graph.erase_node(coll)
     return done
 
