@@ -56,9 +56,9 @@ class Options:
     GEMMs need, the plan that follows can lose, and option ``adapt`` then keeps the captured graph."""
     adapt: int = 3
     """Under strategy "auto": for a graph the planner rewrote, run the rewritten program and the graph as
-    captured alternately for this many timed calls each (after one warm-up call each), then keep the one
-    the slowest rank ran faster, on every rank (overlapc/runtime/adapt.py). Compiles such graphs twice.
-    0: off."""
+    captured alternately for this many timed calls each (after one warm-up call each; up to three times
+    as many where the two are within 10%), then keep the one the slowest rank ran faster, on every rank
+    (overlapc/runtime/adapt.py). Compiles such graphs twice. 0: off."""
     lanes: int = 0
     """Extra gloo process groups per gloo group that carry its all-gathers, so that chunked all-gathers and
     reduce-scatters are on the wire together (gloo fails with them in flight on one group); made when a graph

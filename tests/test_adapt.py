@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from overlapc.runtime.adapt import ROUNDS, settle_calls
+
 SLEEP = 0.02
 
 
@@ -85,7 +87,7 @@ def decide_job() -> list[str]:
     kept = []
     for _ in range(2):
         ad = Adaptive(planned, baseline, kind="forward", rows=[], ranks=[0, 1], steps=2)
-        for _ in range(6):
+        for _ in range(2 + 2 * 2 * ROUNDS):  # a tie: every round runs
             ad([])
         kept.append(ad.kept)
     return kept
@@ -96,7 +98,31 @@ def test_adapt_agrees_across_ranks(world2):
     kept = world2.run(decide_job)
     # each program is slow on one rank: both medians are ~20 ms at the slowest rank; whichever
     # wins, both ranks keep the same one
-    assert kept[0] == kept[1], kept
+    assert kept[0] == kept[1] and None not in kept[0], kept
+
+
+def rounds_job(planned_s: float) -> dict:
+    """Two programs, the baseline taking 0.1 s: the call at which one is kept, and its calls."""
+    from overlapc.runtime.adapt import Adaptive
+
+    ad = Adaptive(
+        lambda a: time.sleep(planned_s), lambda a: time.sleep(0.1), kind="forward", rows=[], ranks=[0, 1], steps=2
+    )
+    for i in range(2 + 2 * 2 * ROUNDS):
+        ad([])
+        if ad.kept is not None:
+            return {"kept": ad.kept, "decided_at": i}
+    return {"kept": None}
+
+
+@pytest.mark.distributed
+def test_adapt_takes_more_rounds_only_where_close(world2):
+    """Programs 2x apart are decided after one round of timed calls; equal ones (far within
+    adapt.CLOSE: 0.1 s sleeps, noise of a few ms) run every round, then one is kept."""
+    for r in world2.run(rounds_job, 0.2):
+        assert r == {"kept": "baseline", "decided_at": 2 + 2 * 2 - 1}, r
+    for r in world2.run(rounds_job, 0.1):
+        assert r["kept"] in ("planned", "baseline") and r["decided_at"] == 2 + 2 * 2 * ROUNDS - 1, r
 
 
 def alternative_job() -> dict:
@@ -162,7 +188,7 @@ def compiled_alternative_job(inner: str) -> dict:
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend=be, fullgraph=True)
     w = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
-    for i in range(12):
+    for i in range(settle_calls(2)):  # close programs: every round runs
         x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(10 * i + rank))
         torch.testing.assert_close(compiled(x, w), fn(x, w), rtol=1e-5, atol=1e-5)
     site = next(s for s in be.report.sites if s.pattern == "all_gather_matmul")
