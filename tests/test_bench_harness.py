@@ -12,6 +12,9 @@ def _loaded(dtype: str):
     from benchmarks import common
 
     group = dist.new_group(backend="gloo")
+    # Both ranks connected before either can fail and destroy the group: a rank that tears it
+    # down while its peer is still connecting makes the peer's new_group fail instead.
+    dist.barrier(group=group)
     calls = [{"op": "all_reduce", "shape": [1 << 16], "dtype": dtype, "group": None, "world": dist.get_world_size()}]
     x = torch.randn(128, 128)
     try:
