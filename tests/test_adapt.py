@@ -102,7 +102,7 @@ def test_adapt_agrees_across_ranks(world2):
 
 
 def rounds_job(planned_s: float) -> dict:
-    """Two programs, the baseline taking 0.1 s: the call at which one is kept, and its calls."""
+    """Two programs, the baseline taking 0.1 s: the one kept, and the call at which it is."""
     from overlapc.runtime.adapt import Adaptive
 
     ad = Adaptive(

@@ -40,9 +40,9 @@ CLOSE = 0.1
 ROUNDS = 3
 """Where the runner-up's median is within ``CLOSE`` of the fastest's after a round of
 ``adapt`` timed calls each, another round follows, up to ``ROUNDS``, and the medians are
-taken over every round. On an emulated 250 Mbit/s link a step takes its usual time or stalls
-20-60 ms longer on TCP; a median of 3 then kept the program slower in steady state by 14%
-(benchmarks/reports/2026-12-07_1451_vm_defaults_tp_sp.md: "default" against "again")."""
+taken over every round: on an emulated link a step now and then stalls on TCP, which a
+median of one round's calls does not absorb (docs/cost_model.md, "Adapting from the first
+calls", links the run that showed it)."""
 
 
 def settle_calls(adapt: int) -> int:
@@ -117,10 +117,11 @@ class Adaptive:
         self.kept = ranked[0]
         self.fns = {self.kept: self.fns[self.kept]}  # the other programs' memory goes
         planned, baseline = slowest["planned"], slowest["baseline"]
+        calls = self.steps * self.rounds
         measured = {
             "planned_ms": round(planned * 1e3, 3),
             "baseline_ms": round(baseline * 1e3, 3),
-            "calls": self.steps * self.rounds,
+            "calls": calls,
             "kept": self.kept,
         }
         if "alternative" in slowest:
@@ -134,13 +135,13 @@ class Adaptive:
                     row.reason = (
                         f"measured slower than the baseline in the first calls of the {self.kind} graph "
                         f"({planned * 1e3:.1f} ms against {baseline * 1e3:.1f} ms, slowest rank, median of "
-                        f"{self.steps * self.rounds}); the baseline runs (option adapt)"
+                        f"{calls}); the baseline runs (option adapt)"
                     )
                 else:
                     row.reason = (
                         f"measured slower than the alternative ({self.alt_label}) in the first calls of the "
                         f"{self.kind} graph ({planned * 1e3:.1f} ms against "
-                        f"{slowest['alternative'] * 1e3:.1f} ms, slowest rank, median of {self.steps * self.rounds}); "
+                        f"{slowest['alternative'] * 1e3:.1f} ms, slowest rank, median of {calls}); "
                         "the alternative runs (option adapt)"
                     )
         if self.kept == "alternative":
@@ -152,7 +153,7 @@ class Adaptive:
             "overlapc: %s graph: %s over %d calls: keeping the %s",
             self.kind,
             ", ".join(f"{n} {slowest[n] * 1e3:.1f} ms" for n in self.order),
-            self.steps * self.rounds,
+            calls,
             self.kept,
         )
 
