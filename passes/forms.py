@@ -26,7 +26,7 @@ lowered reduce-scatters, so the all-gather chunks of one site and the reduce-sca
 another may be on the wire together (passes/schedule.py keeps gloo's algorithms apart and
 all-gathers one at a time; all-to-alls are neither).
 
-A large all-to-all is sent in pieces (:func:`pieces`), each an all-to-all of a column range of
+A large all-to-all is sent in pieces (:func:`piece_count`), each an all-to-all of a column range of
 every block, all issued before the first is waited on: on gloo's TCP transport one message of
 hundreds of KiB per peer ran at half the link rate after another collective, where the same
 bytes in pieces kept it. Block i of the result comes from rank i on every rank, so a
@@ -65,7 +65,7 @@ OPTION = {ops.REDUCE_SCATTER: "reduce_scatter", ops.ALL_GATHER: "all_gather"}
 """The option that says how each lowered kind runs."""
 VERDICT: dict[tuple, str] = {}
 """(group name, kind) -> the form "auto" runs it in there: "native", "pieces" (all-to-alls in
-:func:`pieces`) or "whole" (one all-to-all), the fastest measured on the live group at compile
+:func:`piece_count`) or "whole" (one all-to-all), the fastest measured on the live group at compile
 time (overlapc/runtime/live.choose_forms). Without a measurement (option ``measure`` off, a
 profile named), "auto" lowers on the backends of LOWERED_BACKENDS, in pieces."""
 
@@ -104,16 +104,12 @@ def form_of(coll: Node, options: Options) -> str:
     return "whole" if _verdict(ops.group_name(coll), coll.target) == "whole" else "pieces"
 
 
-def pieces(nbytes: int, world: int) -> int:
-    """All-to-alls one reduce-scatter of ``nbytes`` (one rank's input) is sent as."""
-    return max(1, min(MAX_PIECES, math.ceil(nbytes / world / PIECE_BYTES)))
-
-
 def piece_count(gather: bool, nbytes: int, world: int) -> int:
-    """:func:`pieces` of a reduce-scatter, or of an all-gather (``gather``), of ``nbytes`` per
-    rank: an all-gather sends its whole input to every peer, as a reduce-scatter of ``nbytes *
-    world`` does."""
-    return pieces(nbytes * world if gather else nbytes, world)
+    """All-to-alls one reduce-scatter, or all-gather (``gather``), of ``nbytes`` per rank is
+    sent as: an all-gather sends its whole input to every peer, as a reduce-scatter of
+    ``nbytes * world`` does."""
+    sent = nbytes * world if gather else nbytes
+    return max(1, min(MAX_PIECES, math.ceil(sent / world / PIECE_BYTES)))
 
 
 def piece_bounds(cols: int, k: int) -> list[int]:

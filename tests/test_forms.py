@@ -182,7 +182,7 @@ def scatter_job(dtype_name: str) -> list[float]:
     """Each form's error against gloo's own reduce-scatter of the same inputs, on this rank."""
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(dist.get_rank())
-    # 256 KiB of fp32: sent in pieces (passes/forms.pieces), 4 at world 2, 2 at world 4
+    # 256 KiB of fp32: sent in pieces (passes/forms.piece_count), 4 at world 2, 2 at world 4
     x, w = torch.randn(1024, 16, generator=g).to(dtype), torch.randn(16, 64, generator=g).to(dtype)
     opts = {"strategy": "decompose", "chunks": 2, "reduce_scatter": "all_to_all"}
     return _lowered_errors(

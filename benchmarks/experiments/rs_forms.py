@@ -45,7 +45,7 @@ def forms_job(numel: int, reps: int) -> dict[str, float]:
         return got.view(world, -1).sum(0)
 
     def pieces_sum():  # what passes/forms.py issues: column pieces of every block, all in flight
-        k = forms.pieces(x.numel() * x.element_size(), world)
+        k = forms.piece_count(False, x.numel() * x.element_size(), world)
         blocks, cols = x.view(world, -1), numel // world
         bounds = forms.piece_bounds(cols, k)
         sends = [blocks[:, lo:hi].contiguous() for lo, hi in zip(bounds, bounds[1:])]
