@@ -31,6 +31,7 @@ log = logging.getLogger("overlapc")
 # Every compile through the registered "overlapc" name adds its sites here; see last_report().
 _GLOBAL_REPORT = Report()
 _GLOBAL_LOCK = threading.Lock()
+_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 
 
 def last_report() -> Report:
@@ -65,6 +66,8 @@ class Backend:
         """With keep_graphs: (graph kind, rewritten GraphModule) of every graph compiled."""
         self._bucketed: list = []
         self.warned_overrides: set[str] = set()
+        self.pending_rows: list = []
+        """Rows of the pass on a joint graph, reported with the next graph compiled."""
         self.__name__ = "overlapc"
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs, **kwargs):
@@ -232,7 +235,7 @@ def _run_passes(gm, kind: str, opts: Options, be: Backend, serving=None, record:
     alternative program, raced by option adapt, reports its rows only where it is kept)."""
     from overlapc.passes import optimize
 
-    sites = optimize(gm, kind, opts)
+    sites = optimize(gm, kind, opts, joint_done=True)
     for p in be.extra_passes:
         p(gm)
     if be.extra_passes:
@@ -249,6 +252,7 @@ def _run_passes(gm, kind: str, opts: Options, be: Backend, serving=None, record:
     if not record:
         return sites
     with _GLOBAL_LOCK:
+        sites, be.pending_rows = be.pending_rows + sites, []
         _add_rows(be, sites, serving)
         if be.graphs is not None:
             be.graphs.append((kind, gm))
@@ -294,12 +298,17 @@ def _compile_eager(gm, example_inputs, opts, be, serving=None):
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
+    rows_pass = _RowsPass(opts, be, example_inputs)
+
     def compiler(kind):
         def compile_fn(g, _inputs):
 
             from .runtime.adapt import Adaptive, race_ranks
             from .runtime.waits import name_waits
 
+            if kind == "inference":
+                rows_pass(g.graph)
+                g.recompile()
             base, other = _raced_copies(g, opts)
             sites = _run_passes(g, kind, opts, be, serving)
             # A failing chunked collective names its site and chunk.
@@ -323,9 +332,71 @@ def _compile_eager(gm, example_inputs, opts, be, serving=None):
 
         return compile_fn
 
+    def partition(joint, joint_inputs, **kw):
+        from torch._functorch.partitioners import default_partition
+
+        rows_pass(joint.graph)
+        joint.recompile()
+        return default_partition(joint, joint_inputs, **kw)
+
     return aot_autograd(
-        fw_compiler=compiler("forward"), bw_compiler=compiler("backward"), inference_compiler=compiler("inference")
+        fw_compiler=compiler("forward"),
+        bw_compiler=compiler("backward"),
+        inference_compiler=compiler("inference"),
+        partition_fn=partition,
     )(gm, example_inputs)
+
+
+def _replicated_inputs(example_inputs) -> list:
+    """Per graph input of the program (a tensor subclass flattens to its inner tensors, as
+    AOTAutograd flattens it), the process groups its value is replicated over, for automatic
+    sequence parallelism (passes/auto_sp.py): a DTensor's mesh dims with a Replicate placement,
+    and a plain ``nn.Parameter`` over every group of the program's DTensor meshes. Tensor
+    parallelism leaves a module it does not shard (a norm) with plain parameters that every
+    rank holds equal, as DTensor's implicit replication does; overlapc relies on it too (option
+    ``auto_sp="off"`` where a program holds them unequal on purpose). Other inputs: none."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    meshes = {x.device_mesh for x in example_inputs if isinstance(x, DTensor)}
+    groups = {m.get_group(i).group_name for m in meshes for i in range(m.ndim)}
+
+    def flat(x, same: set) -> list:
+        if not isinstance(x, torch.Tensor) or not hasattr(x, "__tensor_flatten__"):
+            return [same]
+        if isinstance(x, DTensor):
+            mesh = x.device_mesh
+            same = {mesh.get_group(i).group_name for i, p in enumerate(x.placements) if isinstance(p, Replicate)}
+        out = []
+        for i, attr in enumerate(x.__tensor_flatten__()[0]):
+            out += flat(getattr(x, attr), same if i == 0 and isinstance(x, DTensor) else set())
+        return out
+
+    out = []
+    for x in example_inputs:
+        out += flat(x, set(groups) if isinstance(x, torch.nn.Parameter) else set())
+    return out
+
+
+class _RowsPass:
+    """Automatic sequence parallelism (passes/auto_sp.py) on a joint or inference graph, before
+    the partitioner: its rows go to the report with the next graph's."""
+
+    def __init__(self, opts: Options, be: Backend, example_inputs=()):
+        self.opts, self.be = opts, be
+        self.replicated = _replicated_inputs(example_inputs)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        from overlapc.passes.auto_sp import auto_sequence_parallel
+
+        if not any(n.target is _ALL_REDUCE for n in graph.nodes):
+            return
+        joint = any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
+        rows = auto_sequence_parallel(graph, "joint" if joint else "inference", self.opts, self.replicated)
+        with _GLOBAL_LOCK:
+            self.be.pending_rows.extend(rows)
+
+    def uuid(self):
+        return None  # never cache: the report must be rebuilt on every compile
 
 
 def _overlap_pass_class():
@@ -428,7 +499,11 @@ def _compile_inductor(gm, example_inputs, opts, be, serving=None):
         )
         return out
 
-    patches = {"post_grad_custom_post_pass": pass_, "fx_graph_cache": False}
+    patches = {
+        "post_grad_custom_post_pass": pass_,
+        "joint_custom_pre_pass": _RowsPass(opts, be, example_inputs),
+        "fx_graph_cache": False,
+    }
     if opts.mode and opts.mode != "default":
         patches.update(torch._inductor.list_mode_options(opts.mode))
     patches.update(_inductor_guards(inductor_config))

@@ -20,6 +20,7 @@ from .errors import OverlapError
 INNER = ("inductor", "eager")
 STRATEGIES = ("auto", "decompose", "fuse", "none")
 FORMS = ("auto", "all_to_all", "native")
+AUTO_SP = ("auto", "off")
 SITE_OVERRIDABLE = ("strategy", "chunks")
 
 
@@ -75,6 +76,11 @@ class Options:
     values), "native" or "auto": all-to-all on gloo groups, whose all-gather stalls on its TCP transport and
     cannot share the wire with the lowered reduce-scatters (passes/forms.py), unless ``lanes`` carry them; as
     ``reduce_scatter`` says elsewhere."""
+    auto_sp: str = "auto"
+    """Automatic sequence parallelism (passes/auto_sp.py): an all-reduce followed by row-wise ops (residual
+    add, norm, casts) becomes a reduce-scatter, those ops on this rank's rows, and an all-gather where whole
+    rows are needed, in forward and backward, where that moves no more bytes and each rank gets enough rows
+    ("auto"); "off" keeps every all-reduce."""
     timeout: float = 300.0
     """Seconds a fused op may wait for its peers before it raises an error naming the op (strategy "fuse")."""
     mode: str | None = None
@@ -86,6 +92,7 @@ class Options:
         _check_chunks("chunks", self.chunks)
         _check_choice("reduce_scatter", self.reduce_scatter, FORMS)
         _check_choice("all_gather", self.all_gather, FORMS)
+        _check_choice("auto_sp", self.auto_sp, AUTO_SP)
         if isinstance(self.min_bytes, bool) or not isinstance(self.min_bytes, int) or self.min_bytes < 0:
             raise OverlapError(f"option 'min_bytes' must be an int >= 0; got {self.min_bytes!r}")
         if self.microbatches != "auto" and (

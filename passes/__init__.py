@@ -13,7 +13,7 @@ from overlapc.report import Site
 
 from . import ops
 from .accumulate import fold_partial_sums
-from .coalesce import coalesce_all_reduces
+from .auto_sp import auto_sequence_parallel
 from .deps import DepGraph
 from .forms import lower_collectives
 from .lower import lower_sites
@@ -24,11 +24,13 @@ from .plan import graph_profile, plan_sites
 from .schedule import legalize, schedule
 
 
-def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None) -> list[Site]:
-    """Run the pipeline on one captured graph in place; return its report rows in graph order."""
+def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None, joint_done: bool = False) -> list[Site]:
+    """Run the pipeline on one captured graph in place; return its report rows in graph order.
+    ``joint_done``: the all-reduce passes (coalescing, automatic sequence parallelism) already ran
+    on the joint or inference graph this one comes from (overlapc.compiler)."""
     options = options or Options()
     normalize(gm)
-    merged = coalesce_all_reduces(gm.graph, graph_kind, options)
+    merged = [] if joint_done else auto_sequence_parallel(gm.graph, graph_kind, options)
     profile = graph_profile(gm.graph, graph_kind, options)
     slicing = slice_microbatches(gm.graph, graph_kind, options, profile)
     deps = DepGraph(gm.graph)

@@ -191,12 +191,13 @@ def _module(leaves: list[_Leaf]) -> str | None:
     return ops.common_module(ops.module_path(lf.coll.args[0]) or ops.module_path(lf.coll) for lf in leaves)
 
 
-def coalesce_all_reduces(graph: Graph, graph_kind: str, options: Options) -> list[Site]:
+def coalesce_all_reduces(graph: Graph, graph_kind: str, options: Options, kind_of=None) -> list[Site]:
     """Coalesce every sum of all-reduces in ``graph`` (unless its strategy is "none");
-    one report row per sum."""
+    one report row per sum. ``kind_of(node)`` names a joint graph's rows forward or backward."""
     rows, seen = [], {}
     for group in find_groups(graph):
         first = group.leaves[0].coll
+        graph_kind = kind_of(first) if kind_of else graph_kind
         v = ops.val(first.args[0])
         n = ops.hint(v.numel())
         nbytes = None if n is None else n * v.element_size()

@@ -212,7 +212,10 @@ def test_cli_explain_table_and_json():
     p = _cli("explain", "overlapc.models.llama:build_tp", "-w", "4", "--json", "-a", "n_layers=1")
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
-    assert d["summary"]["forward/matmul_all_reduce"] == 2
+    # 128 rows, 32 a rank: automatic sequence parallelism turns the two all-reduces of a
+    # layer's forward into reduce-scatters under their matmuls
+    assert d["summary"]["forward/all_reduce_rows"] == 1, d["summary"]
+    assert d["summary"]["forward/matmul_reduce_scatter"] == 2, d["summary"]
 
 
 def test_cli_rewrite_writes_graphs(tmp_path):
