@@ -9,13 +9,11 @@ installed). Per (rate, world, mode), one emulated cluster and one interleaved ru
 (benchmarks/harness.py) times the baseline and, in the same run:
 
 - default: no options (``hardware=None``);
-- coalesce-only: defaults, with no all-reduce chunked (what coalescing alone gives);
-- no-coalesce: ``strategy="decompose"`` with coalescing turned off (every all-reduce chunked
-  on its own: overlapc before coalescing);
-- decompose: ``strategy="decompose"`` under a profile calibrated inside the cluster;
-- measure: ``measure=True``.
+- no-auto-sp: defaults with ``auto_sp="off"`` (coalescing and chunked all-reduces only: the
+  all-reduces stay all-reduces);
+- decompose: ``strategy="decompose"`` under a profile calibrated inside the cluster.
 
-Payload bytes are counted from each compiled step's collectives (benchmarks/common.payload_bytes).
+Wire bytes are counted from each compiled step's collectives (benchmarks/common.wire_bytes).
 Writes benchmarks/reports/DATE_HOST_tp_only_MODEL.md and a section of BENCHMARKS.md.
 """
 
@@ -44,15 +42,11 @@ MODELS = {
         dict(n_layers=1, dim=512, n_heads=8, ffn_dim=1408, vocab_size=256, batch=2, seq=256),
     ),
 }
-NO_MM_AR = '{"*:matmul_all_reduce": {"strategy": "none"}}'
-NO_COALESCE = '{"*:all_reduce_sum": {"strategy": "none"}}'
 VARIANTS = [
     ["default", "hardware=null"],
-    ["coalesce-only", "hardware=null", f"overrides={NO_MM_AR}"],
-    ["no-coalesce", "strategy=decompose", f"overrides={NO_COALESCE}"],
-    ["measure", "hardware=null", "measure=true"],
+    ["no-auto-sp", "hardware=null", "auto_sp=off"],
 ]
-COLUMNS = ("default", "coalesce-only", "no-coalesce", "decompose", "measure")
+COLUMNS = ("default", "no-auto-sp", "decompose")
 
 
 class _Logits(torch.nn.Module):
@@ -159,28 +153,23 @@ def write_report(name: str, title: str, model: dict, rows: list[dict], cmd: str)
         )
     lines += [
         "",
-        "All-reduce payload per rank and step, MiB, counted from each compiled step's collectives "
-        "(baseline → default):",
+        "Bytes each rank sends per step, MiB, counted from each compiled step's collectives (ring "
+        "counts: an all-reduce 2(W-1)/W of its payload, a reduce-scatter (W-1)/W, an all-gather "
+        "(W-1) times its input), baseline → no-auto-sp → default:",
         "",
-        "| world | step | forward | backward | backward ratio |",
+        "| world | step | forward | backward | total ratio default / baseline |",
         "|---|---|---|---|---|",
     ]
     for r in rows:
-        b = r.get("bytes", {})
-        base, dflt = b.get("base", {}), b.get("default", {})
-        cells = []
-        for g in ("inference",) if r["mode"] == "forward" else ("forward", "backward"):
-            x, y = base.get(g, {}).get("all_reduce", 0), dflt.get(g, {}).get("all_reduce", 0)
-            cells.append((g, x, y))
-        fw = next((c for c in cells if c[0] in ("forward", "inference")), None)
-        bw = next((c for c in cells if c[0] == "backward"), None)
-        lines.append(
-            f"| {r['world_size']} | {r['mode']} | "
-            + (f"{_mib(fw[1])} → {_mib(fw[2])}" if fw else "n/a")
-            + " | "
-            + (f"{_mib(bw[1])} → {_mib(bw[2])} | {bw[2] / bw[1]:.2f}" if bw and bw[1] else "n/a | n/a")
-            + " |"
-        )
+        wire = r.get("wire", {})
+        base, off, dflt = (wire.get(k, {}) for k in ("base", "no-auto-sp", "default"))
+        graphs = ("inference",) if r["mode"] == "forward" else ("forward", "backward")
+        cells = [" → ".join(_mib(v.get(g, 0)) for v in (base, off, dflt)) for g in graphs]
+        if len(cells) == 1:
+            cells.append("n/a")
+        total = sum(base.values())
+        ratio = f"{sum(dflt.values()) / total:.2f}" if total else "n/a"
+        lines.append(f"| {r['world_size']} | {r['mode']} | {cells[0]} | {cells[1]} | {ratio} |")
     body = "\n".join(lines)
     return common.write_run_report(
         f"tp_only_{name}",

@@ -110,8 +110,13 @@ def collective_calls(report, graphs=("forward", "backward", "inference")) -> lis
     """The collectives of a compiled step, from its report (every collective is in it)."""
     out = []
     for s in report.sites:
-        # an all_reduce_sum row describes a merge; its all-reduce is another row's collective
-        if s.graph in graphs and s.shapes.get("input") is not None and s.pattern != "all_reduce_sum":
+        # all_reduce_sum and all_reduce_rows rows describe rewrites of all-reduces; the
+        # collectives they leave are other rows'
+        if (
+            s.graph in graphs
+            and s.shapes.get("input") is not None
+            and s.pattern not in ("all_reduce_sum", "all_reduce_rows")
+        ):
             out.append(
                 {
                     "op": s.collective_op,
@@ -144,6 +149,19 @@ def payload_bytes(report, graphs=("forward", "backward", "inference")) -> dict[s
         n = math.prod(c["shape"]) * torch.empty((), dtype=getattr(torch, c["dtype"])).element_size()
         g = out.setdefault(c["graph"], {})
         g[c["op"]] = g.get(c["op"], 0) + n
+    return out
+
+
+def wire_bytes(report, graphs=("forward", "backward", "inference")) -> dict[str, int]:
+    """{graph: bytes} each rank sends per step, by the textbook ring count: an all-reduce sends
+    2 (W-1)/W of its payload, a reduce-scatter and an all-to-all (W-1)/W of theirs, an
+    all-gather (W-1) times its input. A collective lowered to an all-to-all sends the same."""
+    share = {"all_reduce": lambda w: 2 * (w - 1) / w, "all_gather_into_tensor": lambda w: w - 1}
+    out: dict[str, int] = {}
+    for c in collective_calls(report, graphs):
+        n = math.prod(c["shape"]) * torch.empty((), dtype=getattr(torch, c["dtype"])).element_size()
+        w = c["world"] or 1
+        out[c["graph"]] = out.get(c["graph"], 0) + round(n * share.get(c["op"], lambda w: (w - 1) / w)(w))
     return out
 
 

@@ -243,6 +243,9 @@ def bench_job(cfg: dict) -> dict:
     result["bytes"] = {
         name: common.payload_bytes(be.report, graphs) for name, (_, _, be, _) in variants.items() if name != "compute"
     }
+    result["wire"] = {
+        name: common.wire_bytes(be.report, graphs) for name, (_, _, be, _) in variants.items() if name != "compute"
+    }
     result["n_collectives"] = len(calls)
     result["comm_approx"] = any(c.get("approx") for c in calls)
     rep = variants["overlapc"][2].report
