@@ -1030,7 +1030,11 @@ def _replay(b: Builder, region: Region, sizes: list[int], marks: list | None) ->
                 for i in (1, 2):
                     if args[i] is not None:
                         args[i] = [per_peer] * len(args[i])
-            piece[node] = b.call(node.target, *args, **kwargs)
+            # A piece's view runs as a reshape: the same view where the strides allow, a copy
+            # where the real input's strides differ from its fake value's (CPU flash
+            # attention lays its output out like its query; its fake kernel does not).
+            target = ops.aten.reshape.default if node.target in _VIEWS else node.target
+            piece[node] = b.call(target, *args, **kwargs)
             if marks is not None:
                 marks.append((c, node, len(b.created)))
         out.append(piece)

@@ -129,3 +129,14 @@ def test_tp_auto_sequence_parallel(request, world, dtype, inner, strategy):
         assert details["all_reduces"] == 10 and details["all_gathers"] == 10, details
         assert details["partial_sums"] == 5, details  # the norms' weights: 2 per layer + the final one
     assert res[0] == res[-1]
+
+
+@pytest.mark.distributed
+def test_tp_auto_sequence_parallel_with_slices(world2):
+    """Micro-batch slices of the rows automatic SP made: a slice along the sequence runs
+    attention whole on queries rebuilt from the slices, whose output CPU flash attention lays
+    out like the rebuilt query (not like its fake kernel's): the slices' views must still run."""
+    kw = dict(SMALL, n_layers=1, seq=16)
+    for r in world2.run(check_model, "tp", "eager", {"strategy": "decompose", "microbatches": 2}, **kw):
+        ((status, _),) = r["auto_sp"]
+        assert status == "rewritten"
