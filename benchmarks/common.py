@@ -152,17 +152,37 @@ def payload_bytes(report, graphs=("forward", "backward", "inference")) -> dict[s
     return out
 
 
-def wire_bytes(report, graphs=("forward", "backward", "inference")) -> dict[str, int]:
-    """{graph: bytes} each rank sends per step, by the textbook ring count: an all-reduce sends
-    2 (W-1)/W of its payload, a reduce-scatter and an all-to-all (W-1)/W of theirs, an
-    all-gather (W-1) times its input. A collective lowered to an all-to-all sends the same."""
-    share = {"all_reduce": lambda w: 2 * (w - 1) / w, "all_gather_into_tensor": lambda w: w - 1}
+def wire_bytes(graphs) -> dict[str, int]:
+    """{graph kind: bytes} each rank sends per step, counted from the collectives of the
+    compiled graphs as they run (``Backend(keep_graphs=True).graphs``: after every pass, chunks
+    and all-to-all forms included) by the textbook ring count: an all-reduce sends 2 (W-1)/W
+    of its input, a reduce-scatter and an all-to-all (W-1)/W, an all-gather (W-1) times its
+    input. gloo's own reduce-scatter is an all-reduce underneath: it sends twice its count."""
+    c10d = torch.ops._c10d_functional
+    share = {
+        c10d.all_reduce.default: lambda w: 2 * (w - 1) / w,
+        c10d.all_gather_into_tensor.default: lambda w: w - 1,
+        c10d.reduce_scatter_tensor.default: lambda w: (w - 1) / w,
+        c10d.all_to_all_single.default: lambda w: (w - 1) / w,
+    }
     out: dict[str, int] = {}
-    for c in collective_calls(report, graphs):
-        n = math.prod(c["shape"]) * torch.empty((), dtype=getattr(torch, c["dtype"])).element_size()
-        w = c["world"] or 1
-        out[c["graph"]] = out.get(c["graph"], 0) + round(n * share.get(c["op"], lambda w: (w - 1) / w)(w))
+    for kind, gm in graphs:
+        for n in gm.graph.nodes:
+            if n.op != "call_function" or n.target not in share:
+                continue
+            v = n.args[0].meta.get("val")
+            group = n.args[-1]
+            w = dist.get_world_size(_resolve(group)) if isinstance(group, str) else None
+            if v is None or not w:
+                continue
+            out[kind] = out.get(kind, 0) + round(v.numel() * v.element_size() * share[n.target](w))
     return out
+
+
+def _resolve(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
 
 
 def replay_comm(calls: list[dict], barrier: bool = True) -> float:

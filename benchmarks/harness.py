@@ -65,7 +65,9 @@ def _variants(cfg):
     # as they are there, while inductor cannot lower the Python call around each wait.
     label = (common.label_waits,) if cfg.get("exposure") and inner == "eager" else ()
     backends = {
-        "base": lambda: Backend(Options(inner=inner, strategy="none", schedule=False), extra_passes=label),
+        "base": lambda: Backend(
+            Options(inner=inner, strategy="none", schedule=False), extra_passes=label, keep_graphs=True
+        ),
         "overlapc": lambda: Backend(
             Options(
                 inner=inner,
@@ -75,12 +77,13 @@ def _variants(cfg):
                 hardware=cfg.get("hardware"),
             ),
             extra_passes=label,
+            keep_graphs=True,
         ),
         "compute": lambda: compute_alone(inner),
     }
     for name, opts in cfg.get("extra", {}).items():  # --variant: more overlapc options, same run
         backends[name] = lambda opts=opts: Backend(
-            Options(**{"inner": inner, "hardware": cfg.get("hardware"), **opts}), extra_passes=label
+            Options(**{"inner": inner, "hardware": cfg.get("hardware"), **opts}), extra_passes=label, keep_graphs=True
         )
     out = {}
     for name, make in backends.items():
@@ -244,7 +247,7 @@ def bench_job(cfg: dict) -> dict:
         name: common.payload_bytes(be.report, graphs) for name, (_, _, be, _) in variants.items() if name != "compute"
     }
     result["wire"] = {
-        name: common.wire_bytes(be.report, graphs) for name, (_, _, be, _) in variants.items() if name != "compute"
+        name: common.wire_bytes(be.graphs or []) for name, (_, _, be, _) in variants.items() if name != "compute"
     }
     result["n_collectives"] = len(calls)
     result["comm_approx"] = any(c.get("approx") for c in calls)
