@@ -381,7 +381,7 @@ def _rewrite(region: _Region, finder: _Finder) -> None:
             elif kind == "expand":
                 shard[node] = b.call(aten.expand.default, shard[node.args[0]], [n // w, _shape(node)[-1]])
             elif kind == "rowred":
-                shard[node] = b.call(node.target, shard[node.args[0]], [-1], True, **node.kwargs)
+                shard[node] = b.call(node.target, shard[node.args[0]], [-1], True, **_dtype(node))
             else:
 
                 def operand(a):
@@ -394,10 +394,8 @@ def _rewrite(region: _Region, finder: _Finder) -> None:
                         return a
                     if finder.operands[node][a] == "bcast":
                         return b.reshape(a, [s[-1]])
-                    if a not in local:
-                        with graph.inserting_before(a.next):
-                            lb = Builder(graph, like=a)
-                            local[a] = lb.call(local_rows, lb.reshape(a, [n, s[-1]]), w, g)
+                    if a not in local:  # first needed here: later nodes share it
+                        local[a] = b.call(local_rows, b.reshape(a, [n, s[-1]]), w, g)
                     return local[a]
 
                 args = [operand(a) for a in node.args]
@@ -419,7 +417,7 @@ def _rewrite(region: _Region, finder: _Finder) -> None:
     for p in region.partials:
         b = Builder(graph, like=p)
         with graph.inserting_before(p):
-            rows = b.call(aten.sum.dim_IntList, shard[p.args[0]], [0], False, **p.kwargs)
+            rows = b.call(aten.sum.dim_IntList, shard[p.args[0]], [0], False, **_dtype(p))
             total = b.call(ops.WAIT, b.call(ops.ALL_REDUCE, rows, "sum", g))
             out = b.view(total, _shape(p))
         p.replace_all_uses_with(out)
@@ -439,6 +437,11 @@ def _placeholder_groups(graph: Graph, replicated_inputs: list | None) -> dict[No
     if len(inputs) != len(replicated_inputs):
         return {}
     return {n: frozenset(g) for n, g in zip(inputs, replicated_inputs)}
+
+
+def _dtype(node: Node) -> dict:
+    """A reduction's dtype keyword, the one keyword its rewrite keeps (dim and keepdim change)."""
+    return {"dtype": node.kwargs["dtype"]} if node.kwargs.get("dtype") is not None else {}
 
 
 def _kind(node: Node, backward: set[Node], default: str) -> str:

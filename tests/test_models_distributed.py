@@ -98,6 +98,7 @@ def test_tp_bf16_world2(world2, inner):
 
 
 _SLOW = pytest.mark.slow
+_EXTENDED = pytest.mark.extended  # the rest of the dtype x world x inner grid: `make test-all`
 
 
 @pytest.mark.distributed
@@ -106,11 +107,11 @@ _SLOW = pytest.mark.slow
     [
         (2, "float32", "eager", "decompose"),
         (4, "bfloat16", "eager", "auto"),
-        pytest.param(2, "float32", "eager", "auto", marks=_SLOW),
-        pytest.param(4, "float32", "eager", "decompose", marks=_SLOW),
-        pytest.param(2, "bfloat16", "eager", "decompose", marks=_SLOW),
         pytest.param(2, "float32", "inductor", "decompose", marks=_SLOW),
-        pytest.param(4, "bfloat16", "inductor", "auto", marks=_SLOW),
+        pytest.param(2, "float32", "eager", "auto", marks=_EXTENDED),
+        pytest.param(4, "float32", "eager", "decompose", marks=_EXTENDED),
+        pytest.param(2, "bfloat16", "eager", "decompose", marks=_EXTENDED),
+        pytest.param(4, "bfloat16", "inductor", "auto", marks=[_SLOW, _EXTENDED]),
     ],
 )
 def test_tp_auto_sequence_parallel(request, world, dtype, inner, strategy):
