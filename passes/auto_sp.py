@@ -346,8 +346,6 @@ def _why_not(region: _Region) -> str | None:
             "placement, a constant, or a collective's result): the row-wise ops it feeds cannot run on "
             "each rank's rows"
         )
-    if not region.work:
-        return "no row-wise work after the all-reduces: an all-reduce is kept where it moves the same bytes"
     if after > SLACK * before:
         return (
             f"the rows leave the region {len(region.exits)} times for {len(region.seeds)} all-reduces: "
@@ -475,6 +473,8 @@ def auto_sequence_parallel(
     finder.run()
     seen: dict[str, int] = {}
     for region in finder.regions():
+        if not region.work and region.unproven is None:
+            continue  # all-reduces whose results no row-wise op reads: not a candidate, no row
         first = region.seeds[0].args[0]
         kind = _kind(region.seeds[0], backward, graph_kind)
         module = ops.common_module(ops.module_path(s.args[0]) for s in region.seeds)

@@ -305,9 +305,7 @@ def no_site_job():
 @pytest.mark.distributed
 def test_no_sites_runs_unchanged(world2):
     reasons = world2.run(no_site_job)[0]
-    # the two collectives, and the all-reduce's rows (too few to split: automatic SP declines)
-    assert len(reasons) == 3 and any("no matmul consumer" in r for r in reasons), reasons
-    assert any("2 rows a rank" in r for r in reasons), reasons
+    assert len(reasons) == 2 and any("no matmul consumer" in r for r in reasons), reasons
 
 
 # ---------------------------------------------------------------- property-based

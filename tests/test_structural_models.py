@@ -144,7 +144,12 @@ def test_tp_counts(tp_report):
         # per layer: x's grad sums the q/k/v all-reduces, h's the w1/w3 ones: two sums to
         # coalesce (found, not rewritten: strategy "none").
         "backward/all_reduce_sum": 2 * L,
+        # the joint graph's one region of row-wise ops after all-reduces (16 rows a rank):
+        # found, left as it is under strategy "none"
+        "forward/all_reduce_rows": 1,
     }
+    (rows,) = tp_report.by(pattern="all_reduce_rows")
+    assert rows.status == "skipped" and rows.reason == "strategy 'none'"
     merged = sorted(len(s.details["all_reduces"]) for s in tp_report.by(pattern="all_reduce_sum"))
     assert merged == [2] * L + [3] * L
 
@@ -165,7 +170,8 @@ def test_tp_coalesced_bytes(fake_mesh8, strategy):
     """The rewritten backward graph all-reduces 2 activations' worth a layer instead of 5
     (plus the output projection's dgrad), however the planner then chunks them."""
     model, inputs = llama.build_tp(fake_mesh8, n_layers=L)
-    report, graphs = capture(model, *inputs, options={"strategy": strategy})
+    # all-reduces kept as all-reduces (automatic SP off), to count what coalescing saves
+    report, graphs = capture(model, *inputs, options={"strategy": strategy, "auto_sp": "off"})
     base_model, base_inputs = llama.build_tp(fake_mesh8, n_layers=L)
     _, base = capture(base_model, *base_inputs, options={"strategy": "none"})
     act = 2 * 64 * llama.LlamaConfig.dim * 4  # (batch, seq, dim) fp32
