@@ -17,7 +17,6 @@ Definitions (all measured in the same run, interleaved):
 from __future__ import annotations
 
 import json
-import math
 import operator
 import os
 import random
@@ -140,49 +139,30 @@ def collective_calls(report, graphs=("forward", "backward", "inference")) -> lis
     return out
 
 
-def payload_bytes(report, graphs=("forward", "backward", "inference")) -> dict[str, dict[str, int]]:
-    """{graph: {collective op: bytes}}: what each rank hands its collectives in a step, summed
-    over the collectives of the compiled graphs (chunks included). An all-reduce's ring sends
-    2 (W-1)/W of its payload; the payload is the number a rewrite changes."""
-    out: dict[str, dict[str, int]] = {}
-    for c in collective_calls(report, graphs):
-        n = math.prod(c["shape"]) * torch.empty((), dtype=getattr(torch, c["dtype"])).element_size()
-        g = out.setdefault(c["graph"], {})
-        g[c["op"]] = g.get(c["op"], 0) + n
-    return out
-
-
 def wire_bytes(graphs) -> dict[str, int]:
     """{graph kind: bytes} each rank sends per step, counted from the collectives of the
     compiled graphs as they run (``Backend(keep_graphs=True).graphs``: after every pass, chunks
     and all-to-all forms included) by the textbook ring count: an all-reduce sends 2 (W-1)/W
     of its input, a reduce-scatter and an all-to-all (W-1)/W, an all-gather (W-1) times its
     input. gloo's own reduce-scatter is an all-reduce underneath: it sends twice its count."""
-    c10d = torch.ops._c10d_functional
+    from overlapc.passes import ops
+
     share = {
-        c10d.all_reduce.default: lambda w: 2 * (w - 1) / w,
-        c10d.all_gather_into_tensor.default: lambda w: w - 1,
-        c10d.reduce_scatter_tensor.default: lambda w: (w - 1) / w,
-        c10d.all_to_all_single.default: lambda w: (w - 1) / w,
+        ops.ALL_REDUCE: lambda w: 2 * (w - 1) / w,
+        ops.ALL_GATHER: lambda w: w - 1,
+        ops.REDUCE_SCATTER: lambda w: (w - 1) / w,
+        ops.ALL_TO_ALL: lambda w: (w - 1) / w,
     }
     out: dict[str, int] = {}
     for kind, gm in graphs:
         for n in gm.graph.nodes:
             if n.op != "call_function" or n.target not in share:
                 continue
-            v = n.args[0].meta.get("val")
-            group = n.args[-1]
-            w = dist.get_world_size(_resolve(group)) if isinstance(group, str) else None
+            v, w = ops.val(n.args[0]), ops.world_size(n)
             if v is None or not w:
                 continue
             out[kind] = out.get(kind, 0) + round(v.numel() * v.element_size() * share[n.target](w))
     return out
-
-
-def _resolve(name: str):
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
 
 
 def replay_comm(calls: list[dict], barrier: bool = True) -> float:

@@ -242,10 +242,7 @@ def bench_job(cfg: dict) -> dict:
             # what the variant's planner decided per site: a gap to the best variant starts here
             "plan": {s.name: _plan_cell(s) for s in variants[name][2].report.sites if s.pattern != "collective"},
         }
-    # Collective payloads each compiled step hands its process group, by graph and op.
-    result["bytes"] = {
-        name: common.payload_bytes(be.report, graphs) for name, (_, _, be, _) in variants.items() if name != "compute"
-    }
+    # Bytes each compiled step sends, by graph, counted from the graphs as they run.
     result["wire"] = {
         name: common.wire_bytes(be.graphs or []) for name, (_, _, be, _) in variants.items() if name != "compute"
     }

@@ -31,7 +31,6 @@ log = logging.getLogger("overlapc")
 # Every compile through the registered "overlapc" name adds its sites here; see last_report().
 _GLOBAL_REPORT = Report()
 _GLOBAL_LOCK = threading.Lock()
-_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 
 
 def last_report() -> Report:
@@ -386,9 +385,10 @@ class _RowsPass:
         self.replicated = _replicated_inputs(example_inputs)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        from overlapc.passes import ops
         from overlapc.passes.auto_sp import auto_sequence_parallel
 
-        if not any(n.target is _ALL_REDUCE for n in graph.nodes):
+        if not any(n.target is ops.ALL_REDUCE for n in graph.nodes):
             return
         joint = any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
         rows = auto_sequence_parallel(graph, "joint" if joint else "inference", self.opts, self.replicated)

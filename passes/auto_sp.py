@@ -56,6 +56,7 @@ from overlapc.options import Options
 from overlapc.report import Site
 
 from . import ops
+from .axis import static_shape
 from .build import Builder
 from .coalesce import coalesce_all_reduces
 
@@ -108,16 +109,6 @@ class _Region:
         return self.key[2]
 
 
-def _shape(node) -> list[int] | None:
-    v = ops.val(node) if isinstance(node, Node) else None
-    if not isinstance(v, torch.Tensor):
-        return None
-    s = [ops.hint(d) for d in v.shape]
-    if any(d is None for d in s) or not all(isinstance(d, int) for d in v.shape):
-        return None  # symbolic sizes: the row split must be known when the graph is built
-    return s
-
-
 def _nbytes(node: Node) -> int:
     v = ops.val(node)
     return v.numel() * v.element_size()
@@ -130,7 +121,7 @@ def _seed(node: Node) -> tuple | None:
     coll = node.args[0]
     if coll.target is not ops.ALL_REDUCE or ops.reduce_op(coll) != "sum" or ops.wait_of(coll) is not node:
         return None
-    s, w, g = _shape(coll.args[0]), ops.world_size(coll), ops.group_name(coll)
+    s, w, g = static_shape(coll.args[0]), ops.world_size(coll), ops.group_name(coll)
     if s is None or len(s) < 2 or not w or w < 2 or g is None:
         return None
     n = math.prod(s[:-1])
@@ -140,15 +131,10 @@ def _seed(node: Node) -> tuple | None:
 
 
 def _dims(node: Node, rank: int) -> list[int] | None:
-    d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    d = ops.arg(node, "dim")
     if d is None:
         return None
-    d = [d] if isinstance(d, int) else list(d)
-    return sorted(x % rank for x in d)
-
-
-def _keepdim(node: Node) -> bool:
-    return bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+    return sorted(x % rank for x in ([d] if isinstance(d, int) else d))
 
 
 def _replicated(graph: Graph, group: str, inputs: dict[Node, frozenset]) -> set[Node]:
@@ -235,7 +221,7 @@ class _Finder:
             self._classify(node, ins, keys.pop())
 
     def _classify(self, node: Node, ins: list[Node], key: tuple) -> None:
-        out = _shape(node)
+        out = static_shape(node)
         src = self.info[ins[0]]
         comp = lambda: self._union([self.info[a].comp for a in ins])  # noqa: E731
         t = node.target
@@ -256,7 +242,7 @@ class _Finder:
         if t in _ROW_REDUCTIONS and node.args[0] is ins[0] and len(node.all_input_nodes) == 1:
             rank = len(src.shape)
             dims = _dims(node, rank)
-            if dims == [rank - 1] and _keepdim(node):
+            if dims == [rank - 1] and ops.arg(node, "keepdim", False):
                 self.info[node] = _Info(key, out, comp(), node)
                 self.kind[node] = "rowred"
             elif t is aten.sum.dim_IntList and dims == list(range(rank - 1)):
@@ -266,7 +252,7 @@ class _Finder:
             return
         treat = {}
         for a in node.all_input_nodes:
-            s = _shape(a)
+            s = static_shape(a)
             if s is None:
                 return
             if a in self.info:
@@ -333,8 +319,8 @@ def _bytes(region: _Region) -> tuple[int, int]:
     return before, after
 
 
-def _why_not(region: _Region) -> str | None:
-    before, after = _bytes(region)
+def _why_not(region: _Region, before: int, after: int) -> str | None:
+    """Why ``region`` stays as it is (``before`` and ``after``: its :func:`_bytes`), or None."""
     if region.rows // region.world < MIN_ROWS:
         return (
             f"{region.rows // region.world} rows a rank, fewer than {MIN_ROWS}: "
@@ -369,7 +355,7 @@ def _rewrite(region: _Region, finder: _Finder) -> None:
         with graph.inserting_before(node):
             if kind == "seed":
                 x = node.args[0].args[0]
-                rs = b.call(ops.REDUCE_SCATTER, b.reshape(x, [n, _shape(x)[-1]]), "sum", w, g)
+                rs = b.call(ops.REDUCE_SCATTER, b.reshape(x, [n, static_shape(x)[-1]]), "sum", w, g)
                 shard[node] = b.call(ops.WAIT, rs)
             elif kind == "same":
                 src = shard[node.args[0]]
@@ -377,7 +363,7 @@ def _rewrite(region: _Region, finder: _Finder) -> None:
                     b.call(node.target, src, *node.args[1:], **node.kwargs) if node.target not in _VIEWS else src
                 )
             elif kind == "expand":
-                shard[node] = b.call(aten.expand.default, shard[node.args[0]], [n // w, _shape(node)[-1]])
+                shard[node] = b.call(aten.expand.default, shard[node.args[0]], [n // w, static_shape(node)[-1]])
             elif kind == "rowred":
                 shard[node] = b.call(node.target, shard[node.args[0]], [-1], True, **_dtype(node))
             else:
@@ -387,7 +373,7 @@ def _rewrite(region: _Region, finder: _Finder) -> None:
                         return a
                     if a in shard:
                         return shard[a]
-                    s = _shape(a)
+                    s = static_shape(a)
                     if not s:
                         return a
                     if finder.operands[node][a] == "bcast":
@@ -408,16 +394,16 @@ def _rewrite(region: _Region, finder: _Finder) -> None:
             with graph.inserting_before(node):
                 nb = Builder(graph, like=node)
                 if _is_widening_cast(node) and ops.val(node.args[0]).dtype == ops.val(whole).dtype:
-                    v = nb.call(node.target, nb.view(whole, _shape(node.args[0])), *node.args[1:], **node.kwargs)
+                    v = nb.call(node.target, nb.view(whole, static_shape(node.args[0])), *node.args[1:], **node.kwargs)
                 else:
-                    v = nb.view(whole, _shape(node))
+                    v = nb.view(whole, static_shape(node))
             node.replace_all_uses_with(v, delete_user_cb=lambda u: u not in inside)
     for p in region.partials:
         b = Builder(graph, like=p)
         with graph.inserting_before(p):
             rows = b.call(aten.sum.dim_IntList, shard[p.args[0]], [0], False, **_dtype(p))
             total = b.call(ops.WAIT, b.call(ops.ALL_REDUCE, rows, "sum", g))
-            out = b.view(total, _shape(p))
+            out = b.view(total, static_shape(p))
         p.replace_all_uses_with(out)
     dead = sorted(inside | {s.args[0] for s in region.seeds}, key=order.__getitem__, reverse=True)
     for node in dead:
@@ -493,7 +479,7 @@ def auto_sequence_parallel(
             module=module,
             dtype=ops.dtype_name(ops.val(first)),
             comm_bytes=sum(_nbytes(s.args[0].args[0]) for s in region.seeds),
-            shapes={"input": _shape(first.args[0]), "output": _shape(first.args[0])},
+            shapes={"input": static_shape(first.args[0]), "output": static_shape(first.args[0])},
             details={
                 "all_reduces": len(region.seeds),
                 "all_gathers": len(region.exits),
@@ -502,7 +488,7 @@ def auto_sequence_parallel(
                 "wire_bytes": {"before": before, "after": after},
             },
         )
-        why = _why_not(region)
+        why = _why_not(region, before, after)
         if options.auto_sp == "off" or options.for_site(row.name)["strategy"] == "none":
             why = "auto_sp 'off'" if options.auto_sp == "off" else "strategy 'none'"
         if why:
