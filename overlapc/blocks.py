@@ -116,8 +116,9 @@ def locate(gm: torch.fx.GraphModule) -> Located | None:
 
 def with_prefix(gm: torch.fx.GraphModule, prefix: str) -> None:
     """Put ``prefix`` in front of every module path ``gm``'s nodes record, so that the
-    ATen graphs AOTAutograd derives from it carry the block's path in the model."""
-    for n in gm.graph.nodes:
+    ATen graphs AOTAutograd derives from it carry the block's path in the model. Subgraphs
+    count too: a checkpointed region's body is one."""
+    for n in _all_nodes(gm):
         stack = n.meta.get("nn_module_stack")
         if not stack:
             continue
@@ -128,6 +129,13 @@ def with_prefix(gm: torch.fx.GraphModule, prefix: str) -> None:
                 path = f"{m.group(0)}.{prefix}{path[m.end() :]}"
             out[key] = (path, *rest)
         n.meta["nn_module_stack"] = out
+
+
+def _all_nodes(gm: torch.fx.GraphModule):
+    """The nodes of ``gm`` and of every graph module it holds (higher-order ops' bodies)."""
+    for sub in gm.modules():
+        if isinstance(sub, torch.fx.GraphModule):
+            yield from sub.graph.nodes
 
 
 def _reprefix(path: str, old: str, new: str) -> str:
@@ -148,7 +156,7 @@ def module_paths(gm: torch.fx.GraphModule) -> set[str]:
     from overlapc.passes import ops
 
     out = {""}
-    for n in gm.graph.nodes:
+    for n in _all_nodes(gm):
         p = ops.module_path(n)
         if p and n.meta.get("nn_module_stack") and len(n.meta["nn_module_stack"]) > 1:
             parts = p.split(".")

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .options import Options
+from .partition import eager_partition, inductor_partitioner
 from .report import Report
 
 log = logging.getLogger("overlapc")
@@ -331,18 +332,11 @@ def _compile_eager(gm, example_inputs, opts, be, serving=None):
 
         return compile_fn
 
-    def partition(joint, joint_inputs, **kw):
-        from torch._functorch.partitioners import default_partition
-
-        rows_pass(joint.graph)
-        joint.recompile()
-        return default_partition(joint, joint_inputs, **kw)
-
     return aot_autograd(
         fw_compiler=compiler("forward"),
         bw_compiler=compiler("backward"),
         inference_compiler=compiler("inference"),
-        partition_fn=partition,
+        partition_fn=eager_partition(rows_pass),
     )(gm, example_inputs)
 
 
@@ -507,6 +501,9 @@ def _compile_inductor(gm, example_inputs, opts, be, serving=None):
     if opts.mode and opts.mode != "default":
         patches.update(torch._inductor.list_mode_options(opts.mode))
     patches.update(_inductor_guards(inductor_config))
+    partitioner = inductor_partitioner(inductor_config)
+    if partitioner is not None:
+        patches["custom_partitioner_fn"] = partitioner
     return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
 
 

@@ -342,6 +342,9 @@ def module_path(node: Node) -> str | None:
     if path in ("L['self']", "L['mod']", "self", ""):
         return getattr(cls, "__name__", None) if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1] or None
     # Dynamo spells list items and attributes as ['0'] / _modules['x'] in some versions.
+    # A module reached through its instance dict (dynamo's spelling inside a checkpointed
+    # region): __dict__['_modules']['x'] is the child x.
+    path = re.sub(r"\.__dict__\['_(?:modules|parameters|buffers)'\]", "", path)
     path = path.replace("._modules['", ".")
     # The root module's own source: L['self'], L['mod'], or L['args'][0] where a decorator
     # (transformers' forward wrappers) hands the module to the traced function.

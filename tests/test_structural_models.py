@@ -508,6 +508,11 @@ def test_unmatched_overrides_are_listed(fake_mesh8, caplog):
         ),
         ("L['self'].layers['0']._checkpoint_wrapped_module.attention.wq", "layers.0.attention.wq"),  # AC wrapper
         ("L['self']._orig_mod.layers.1.feed_forward", "layers.1.feed_forward"),  # an OptimizedModule inside
+        # activation checkpointing inside the compile: dynamo reaches the wrapped module by __dict__
+        (
+            "L['self'].layers.0.__dict__['_modules']['_checkpoint_wrapped_module'].attention.wo",
+            "layers.0.attention.wo",
+        ),
         ("L['args'][0].model.layers.0.self_attn.o_proj", "model.layers.0.self_attn.o_proj"),  # transformers
     ],
 )

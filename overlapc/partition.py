@@ -1,0 +1,119 @@
+"""The forward/backward partition of overlapc's compiles: torch's partitioner, then one repair.
+
+Activation checkpointing inside a compiled DTensor program saves the DeviceMesh (an opaque
+graph input of the parallelize hooks) for the recomputation, beside tensors. When the
+checkpointed region also holds a seeded op (scaled-dot-product attention is tagged
+``nondeterministic_seeded`` even without dropout), torch's ``functionalize_rng_ops`` appends
+the rng states to the forward outputs after the saved opaque objects and adds their backward
+placeholders after the opaque placeholders, while AOTAutograd's runtime reads saved values as
+(tensors, opaque objects, symints). torch 2.13 then fails at the first call with
+``expected all tensors_saved_with_vc_check to be Tensors`` (``backend="aot_eager"`` as well).
+``fix_saved_order`` moves the rng states before the opaque objects on both sides, which is the
+order the runtime reads; a partition without that mix is returned as it is.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+from torch import fx
+
+
+def _rng_state_outputs():
+    """torch's rng-saving op and opaque-node test, or None where this torch has neither."""
+    try:
+        from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+        from torch._prims.rng_prims import run_and_save_rng_state
+    except ImportError:
+        return None
+    return run_and_save_rng_state, is_opaque_node
+
+
+def fix_saved_order(fw: fx.GraphModule, bw: fx.GraphModule) -> bool:
+    """Put the forward's saved rng states before its saved opaque objects, and the backward's
+    rng-state placeholders before its opaque placeholders, keeping each group's order. True
+    where the graphs changed."""
+    found = _rng_state_outputs()
+    if found is None:
+        return False
+    run_and_save, is_opaque = found
+
+    def is_state(n: Any) -> bool:
+        return (
+            isinstance(n, fx.Node)
+            and n.target is operator.getitem
+            and getattr(n.args[0], "target", None) is run_and_save
+        )
+
+    out = next(iter(fw.graph.find_nodes(op="output")))
+    outs = list(out.args[0])
+    opaque = [i for i, n in enumerate(outs) if is_opaque(n)]
+    late = {i for i, n in enumerate(outs) if is_state(n) and opaque and i > opaque[0]}
+    if not late:
+        return False
+    states = [outs[i] for i in sorted(late)]
+    rest = [n for i, n in enumerate(outs) if i not in late]
+    at = next(i for i, n in enumerate(rest) if is_opaque(n))
+    out.args = (tuple(rest[:at] + states + rest[at:]),)
+
+    # functionalize_rng_ops names the backward's rng-state placeholders in forward output order
+    phs = list(bw.graph.find_nodes(op="placeholder"))
+    bw_states = [p for p in phs if p.name.startswith("rng_state_output")]
+    first_opaque = next((p for p in phs if is_opaque(p)), None)
+    if len(bw_states) != len(states) or first_opaque is None:
+        raise RuntimeError(
+            f"overlapc: cannot reorder the saved rng states of an activation-checkpointed graph "
+            f"({len(states)} forward, {len(bw_states)} backward)"
+        )
+    for p in bw_states:
+        if phs.index(p) > phs.index(first_opaque):
+            first_opaque.prepend(p)
+    fw.recompile()
+    bw.recompile()
+    return True
+
+
+def eager_partition(rows_pass):
+    """AOTAutograd ``partition_fn`` for the eager path: ``rows_pass`` on the joint graph, torch's
+    default partition (min-cut where the graph has checkpointed regions), then the repair."""
+
+    def partition(joint, joint_inputs, **kw):
+        from torch._functorch.partitioners import default_partition
+
+        rows_pass(joint.graph)
+        joint.recompile()
+        fw, bw = default_partition(joint, joint_inputs, **kw)
+        fix_saved_order(fw, bw)
+        return fw, bw
+
+    return partition
+
+
+def inductor_partitioner(inductor_config):
+    """A ``custom_partitioner_fn`` for inductor: the partitioner inductor would run (a user's
+    own ``custom_partitioner_fn``, else min-cut), then the repair. None where this torch has
+    no such setting."""
+    try:
+        from torch._inductor.custom_graph_pass import CustomPartitionerFn
+    except ImportError:
+        return None
+    if "custom_partitioner_fn" not in inductor_config._config:
+        return None
+    inner = inductor_config.custom_partitioner_fn
+
+    class Partitioner(CustomPartitionerFn):
+        def __call__(self, gm, joint_inputs, **kw):
+            if inner is not None:
+                fw, bw = inner(gm, joint_inputs, **kw)
+            else:
+                from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+                fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kw)
+            fix_saved_order(fw, bw)
+            return fw, bw
+
+        def uuid(self):
+            return None  # overlapc's inductor compiles run with fx_graph_cache off
+
+    return Partitioner()
