@@ -34,8 +34,35 @@ Dims = frozenset
 
 
 def normalize(gm: GraphModule) -> bool:
-    """Remove dead, side-effect-free nodes. Returns whether the graph changed."""
-    return remove_dead_nodes(gm.graph)
+    """Remove dead, side-effect-free nodes, and return waited collectives as their wait's
+    result. Returns whether the graph changed."""
+    changed = output_waited(gm.graph)
+    return remove_dead_nodes(gm.graph) or changed
+
+
+def output_waited(graph: Graph) -> bool:
+    """Where a graph outputs a collective's result beside the wait_tensor that completes it, it
+    outputs the wait's result instead, so that the wait is the collective's one user.
+
+    A checkpointing policy that saves a collective's output (torchtitan's saves every
+    reduce-scatter) makes the partitioner save the tensor the collective returns, before its
+    wait; the backward waits on it again. The wait's result is the same tensor, complete, and a
+    wait on a completed tensor is a no-op, so the exchange changes no value."""
+    changed = False
+    outputs = [n for n in graph.nodes if n.op == "output"]
+    for node in graph.nodes:
+        if not ops.is_collective(node):
+            continue
+        users = ops.data_users(node)
+        waits = [u for u in users if u.target is ops.WAIT]
+        if len(waits) != 1 or not any(u in outputs for u in users):
+            continue
+        if any(u.target is not ops.WAIT and u not in outputs for u in users):
+            continue
+        for out in outputs:
+            out.replace_input_with(node, waits[0])
+        changed = True
+    return changed
 
 
 def remove_dead_nodes(graph: Graph) -> bool:
