@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .options import Options
-from .partition import eager_partition, inductor_partitioner
+from .repairs import eager_partition, inductor_partitioner, waited_inputs, with_waited_args
 from .report import Report
 
 log = logging.getLogger("overlapc")
@@ -104,6 +104,11 @@ def overlapc_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
 
 
 def compile_graph(gm, example_inputs, opts: Options, be: Backend):
+    example_inputs, waited = waited_inputs(example_inputs)
+    return with_waited_args(_compile_located(gm, example_inputs, opts, be), waited)
+
+
+def _compile_located(gm, example_inputs, opts: Options, be: Backend):
     from .blocks import compile_per_block, locate
 
     # Called inside dynamo's compile of the first call: the running modules tell which block

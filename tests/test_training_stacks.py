@@ -6,9 +6,9 @@ FSDP2 + TP on a 2-D mesh (dp 2 x tp 2, world 4), in torchtitan's order: TP+SP
 Only the TP group's collectives are in the compiled graphs; FSDP's parameter all-gathers
 and gradient reduce-scatters run in its hooks, outside them, and are left alone.
 
-The first block stays eager: torch 2.13's AOTAutograd, with aot_eager as with overlapc,
-routes the gradient of a compiled block's input that is DTensor.to_local()'s view (the
-embedding's output) past to_local's backward (docs/limitations.md#training-stacks).
+Every block is compiled, the first too: its input is DTensor.to_local() of the embedding's
+reduce-scatter, an AsyncCollectiveTensor, which overlapc compiles for as a plain tensor
+(overlapc/repairs.py; torch 2.13's aot_eager fails there).
 
 Tolerance, fp32: chunked GEMMs and chunked reduce-scatters change blocking and summation
 order only (1e-5 relative and absolute, as tests/test_models_distributed.py argues).
@@ -24,7 +24,7 @@ SMALL = dict(n_layers=2, dim=64, n_heads=4, ffn_dim=128, vocab_size=64, seq=16)
 
 
 def check_fsdp_tp(inner: str, policy: str | None = None):
-    """Job (world 4): the 2-D layout, eager against per-block compiled blocks 1.., each block
+    """Job (world 4): the 2-D layout, eager against per-block compiled blocks, each block
     checkpointed first where ``policy`` ("full" or "selective") says so."""
     import torch.distributed as dist
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -49,7 +49,7 @@ def check_fsdp_tp(inner: str, policy: str | None = None):
             if m is model and policy is not None:
                 block = checkpoint_wrapper(block, **kw)
                 m.layers.register_module(name, block)
-            if m is model and name != "0":
+            if m is model:
                 block.compile(backend="overlapc", options={"strategy": "decompose", "inner": inner})
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(m, mesh=mesh["dp"])
@@ -77,12 +77,12 @@ def test_fsdp2_tp_2d_mesh_per_block_compile(world4, policy):
     for res in world4.run(check_fsdp_tp, "eager", policy):
         sites = res["sites"]
         # attention's q/k/v gather and wo's scatter, the MLP's pair, and their backward
-        # mirrors, in blocks 1 and 2: dynamo compiles one graph for both, and each call finds
-        # its block by its parameters (FSDP's unsharded ones); checkpointing adds the sites
-        # its recomputation reruns (RECOMPUTED)
+        # mirrors, in blocks 0..2: dynamo compiles one graph for blocks 1 and 2, and each call
+        # finds its block by its parameters (FSDP's unsharded ones); checkpointing adds the
+        # sites its recomputation reruns (RECOMPUTED)
         extra = {None: 0, "selective": 2, "full": 3}[policy]
-        assert 16 + 2 * extra <= len(sites) <= 16 + 2 * (extra + 1), sites
-        assert {name.split(":")[1].split(".")[1] for _, name, _ in sites} == {"1", "2"}, sites
+        assert 3 * (8 + extra) <= len(sites) <= 3 * (8 + extra + 1), sites
+        assert {name.split(":")[1].split(".")[1] for _, name, _ in sites} == {"0", "1", "2"}, sites
         assert all(status == "rewritten" for _, _, status in sites), sites
         assert {g for g, _, _ in sites} == {"forward", "backward"}, sites
         assert res["on_tp_group"], "a site on the dp group: only TP collectives are matmul sites"
@@ -117,8 +117,8 @@ AC_LAYERS = 3
 
 def check_activation_checkpointing(inner: str, policy: str, scope: str):
     """Job (world 2): TP+SP, every block checkpointed (``policy`` "full" or "selective"), then
-    compiled in torchtitan's order: the whole model (``scope`` "model") or each block after
-    the first ("block"). Eager reference without checkpointing: recomputation reruns the
+    compiled in torchtitan's order: the whole model (``scope`` "model") or each block
+    ("block"). Eager reference without checkpointing: recomputation reruns the
     same ops on the same values."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
@@ -135,7 +135,7 @@ def check_activation_checkpointing(inner: str, policy: str, scope: str):
     kw = {"context_fn": selective_policy} if policy == "selective" else {}
     for name, block in list(model.layers.named_children()):
         block = checkpoint_wrapper(block, **kw)
-        if scope == "block" and name != "0":
+        if scope == "block":
             block.compile(backend="overlapc", options=opts)
         model.layers.register_module(name, block)
     run = torch.compile(model, backend="overlapc", options=opts) if scope == "model" else model
@@ -163,7 +163,7 @@ ONE_BLOCK = "*:layers.2.attention.wo:*"
 
 
 def check_names_and_overrides(inner: str):
-    """Job (world 2): a torchtitan-style model (closure forwards, blocks 1.. compiled one by
+    """Job (world 2): a torchtitan-style model (closure forwards, every block compiled one by
     one, torch.compile's wrapper for one of them, activation checkpointing around compiled
     blocks) with one override naming one block's site, and one naming no site."""
     import logging
@@ -186,8 +186,6 @@ def check_names_and_overrides(inner: str):
     }
     for name, block in list(model.layers.named_children()):
         _closure_forward(block.attention)
-        if name == "0":
-            continue
         if name == "3":
             block = torch.compile(block, backend="overlapc", options=opts)
         else:
@@ -244,9 +242,9 @@ def test_override_glob_names_one_block_of_per_block_compile(world2, inner):
     for res in world2.run(check_names_and_overrides, inner):
         sites = res["sites"]
         modules = {m for _, m, _ in sites}
-        # 4 sites a block in each direction, blocks 1..3 (block 0 runs eager)
-        assert len(sites) == 24, sites
-        assert {m.split(".")[1] for m in modules} == {"1", "2", "3"}, modules
+        # 4 sites a block in each direction, blocks 0..3
+        assert len(sites) == 32, sites
+        assert {m.split(".")[1] for m in modules} == {"0", "1", "2", "3"}, modules
         for m in modules:  # every module a site names is one the user can see
             assert any(
                 n.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "") == m for n in res["names"]
@@ -300,12 +298,11 @@ def test_activation_checkpointing_inside_compile(world2, inner, policy, scope):
     """Checkpointing inside the compiled region (torchtitan's order): the backward graph reruns
     part of the forward, and the sites in that recomputation are found and rewritten like the
     forward's. Where the recomputation holds attention, torch 2.13's runtime fails without
-    overlapc's partition repair (overlapc/partition.py), with aot_eager too."""
-    compiled = range(AC_LAYERS) if scope == "model" else range(1, AC_LAYERS)
+    overlapc's partition repair (overlapc/repairs.py), with aot_eager too."""
     for sites in world2.run(check_activation_checkpointing, inner, policy, scope):
         matmul = [s for s in sites if s[2] != "collective"]
         assert all(status == "rewritten" for *_, status in matmul), sites
-        for i in compiled:
+        for i in range(AC_LAYERS):
             prefix = f"layers.{i}."
             back = {(m[len(prefix) :], p) for g, m, p, _ in matmul if g == "backward" and m.startswith(prefix)}
             want = OWN_BACKWARD | RECOMPUTED[policy]

@@ -1,15 +1,25 @@
-"""The forward/backward partition of overlapc's compiles: torch's partitioner, then one repair.
+"""Repairs for two failures of torch's own compile stack that overlapc's compiles would hit on
+torchtitan-style programs (both fail with ``backend="aot_eager"`` too).
 
-Activation checkpointing inside a compiled DTensor program saves the DeviceMesh (an opaque
-graph input of the parallelize hooks) for the recomputation, beside tensors. When the
-checkpointed region also holds a seeded op (scaled-dot-product attention is tagged
-``nondeterministic_seeded`` even without dropout), torch's ``functionalize_rng_ops`` appends
-the rng states to the forward outputs after the saved opaque objects and adds their backward
-placeholders after the opaque placeholders, while AOTAutograd's runtime reads saved values as
-(tensors, opaque objects, symints). torch 2.13 then fails at the first call with
-``expected all tensors_saved_with_vc_check to be Tensors`` (``backend="aot_eager"`` as well).
+**Saved rng states after saved opaque objects.** Activation checkpointing inside a compiled
+DTensor program saves the DeviceMesh (an opaque graph input of the parallelize hooks) for the
+recomputation, beside tensors. When the checkpointed region also holds a seeded op
+(scaled-dot-product attention is tagged ``nondeterministic_seeded`` even without dropout),
+torch's ``functionalize_rng_ops`` appends the rng states to the forward outputs after the saved
+opaque objects and adds their backward placeholders after the opaque placeholders, while
+AOTAutograd's runtime reads saved values as (tensors, opaque objects, symints). torch 2.13 then
+fails at the first call with ``expected all tensors_saved_with_vc_check to be Tensors``.
 ``fix_saved_order`` moves the rng states before the opaque objects on both sides, which is the
 order the runtime reads; a partition without that mix is returned as it is.
+
+**An AsyncCollectiveTensor graph input.** A block compiled on its own whose input is
+``DTensor.to_local()`` of a collective's result (the first transformer block after a
+sequence-parallel embedding) receives an AsyncCollectiveTensor. AOTAutograd, traced for that
+subclass, routes the input's gradient past ``to_local``'s backward, and DTensor's
+redistribute backward fails on a plain tensor (``'Tensor' object has no attribute
+'_local_tensor'``). ``waited_inputs`` compiles such a graph for the plain tensor instead, and
+at run time hands it the waited value through a differentiable identity, so the gradient
+takes the input's own path.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+import torch
 from torch import fx
 
 
@@ -117,3 +128,54 @@ def inductor_partitioner(inductor_config):
             return None  # overlapc's inductor compiles run with fx_graph_cache off
 
     return Partitioner()
+
+
+class _Waited(torch.autograd.Function):
+    """The completed value of an AsyncCollectiveTensor as a plain tensor, with the gradient
+    passed through unchanged to the input's own backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.trigger_wait() if hasattr(x, "trigger_wait") else x
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _is_async(x) -> bool:
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return isinstance(x, AsyncCollectiveTensor)
+
+
+def waited_inputs(example_inputs) -> tuple[list, list[int]]:
+    """``example_inputs`` with every AsyncCollectiveTensor replaced by a plain fake of its value
+    (same sizes, strides and ``requires_grad``), and the positions replaced."""
+    out, at = list(example_inputs), []
+    for i, x in enumerate(out):
+        if _is_async(x):
+            plain = x.elem.detach()
+            if x.requires_grad:
+                plain.requires_grad_(True)
+            out[i] = plain
+            at.append(i)
+    return out, at
+
+
+def with_waited_args(fn, at: list[int]):
+    """``fn``, compiled for ``waited_inputs``'s plain tensors at positions ``at``, called with
+    the AsyncCollectiveTensors dynamo passes there (dynamo calls a backend's result with the
+    graph's inputs as positional arguments)."""
+    if not at:
+        return fn
+
+    def call(*args):
+        args = list(args)
+        for i in at:
+            if _is_async(args[i]):
+                args[i] = _Waited.apply(args[i])
+        return fn(*args)
+
+    return call
