@@ -111,7 +111,7 @@ def find_all_gather_matmul_sites(graph: Graph, deps: DepGraph) -> tuple[list[All
 
 
 def _no_consumer_reason(coll: Node, others: list[Node]) -> str:
-    users = ", ".join(sorted({_op_name(n) for n in others})) or "nothing"
+    users = ", ".join(sorted({ops.op_name(n) for n in others})) or "nothing"
     reason = f"no matmul consumer (the gathered tensor is used by {users})"
     src = coll.args[0]
     try:
@@ -123,14 +123,6 @@ def _no_consumer_reason(coll: Node, others: list[Node]) -> str:
     except NoProducer:
         pass
     return reason
-
-
-def _op_name(n: Node) -> str:
-    if n.op == "output":
-        return "the graph output"
-    if n.op == "call_function":
-        return getattr(n.target, "__name__", str(n.target)).split(".")[0]
-    return n.op
 
 
 # ----------------------------------------------------------------------------- rewrite
@@ -152,8 +144,24 @@ def row_uses(site: AllGatherMatmulSite) -> list[Use]:
         operand = static_shape(u.matmul.args[u.arg])
         if gshape is None or operand is None or len(operand) != 2 or operand[-1] != gshape[-1]:
             continue
+        if _bias_rows(site, u) is False:
+            continue
         out.append(u)
     return out
+
+
+def _bias_rows(site: AllGatherMatmulSite, u: Use) -> bool | None:
+    """For an addmm consumer: True where its bias has the output's rows (each chunk takes its
+    rows of it), None where it is one row broadcast (passed whole), False where neither, or
+    its rows are not the gathered rows rank-major (a gather along another dim than 0)."""
+    if u.matmul.target is not ops.aten.addmm.default:
+        return None
+    bias, out = static_shape(u.matmul.args[0]), static_shape(u.matmul)
+    if bias is None or out is None:
+        return False
+    if math.prod(bias) == out[-1]:
+        return None
+    return bias == out and site.gather_dim == 0
 
 
 def can_rewrite(site: AllGatherMatmulSite, deps: DepGraph) -> str | None:
@@ -250,9 +258,14 @@ def rewrite_all_gather_matmul(site: AllGatherMatmulSite, chunks: int) -> None:
                         a = b.call(p.target, a, *p.args[1:], **p.kwargs)
                     operands[key].append(a)
             outs, ys = [], []
+            bias = b.view(mm.args[0], [world, rows, ops.shape(mm)[-1]]) if _bias_rows(site, u) else None
+            off = 0
             for a, (_, n) in zip(operands[key], pieces):
                 args = list(mm.args)
                 args[u.arg] = a
+                if bias is not None:  # chunk c's rows of every rank, as its operand holds them
+                    args[0] = b.reshape(b.slice(bias, 1, off, off + n), [world * n, ops.shape(mm)[-1]])
+                off += n
                 y = b.call(mm.target, *args, **mm.kwargs)
                 ys.append(y)
                 outs.append(b.view(y, [world, n, ops.shape(y)[-1]]))

@@ -40,6 +40,9 @@ def find_matmul_all_reduce_sites(graph: Graph, deps: DepGraph):
         if wait is None:
             loose.append(Loose(node, "all-reduce is not completed by a single wait_tensor"))
             continue
+        if ops.reduce_op(node) not in ("sum", "avg"):
+            loose.append(Loose(node, f"a {ops.reduce_op(node)} all-reduce, not a matmul's partial sums"))
+            continue
         x = node.args[0]
         rank = len(ops.shape(x) or [])
         try:

@@ -333,6 +333,15 @@ def reduce_op(coll: Node) -> str | None:
     return None
 
 
+def op_name(n: Node) -> str:
+    """A node's op as a report names it ("abs", "mm", "the graph output")."""
+    if n.op == "output":
+        return "the graph output"
+    if n.op == "call_function":
+        return getattr(n.target, "__name__", str(n.target)).split(".")[0]
+    return n.op
+
+
 def module_path(node: Node) -> str | None:
     """Dotted path of the innermost nn.Module a node came from, as the graph recorded it."""
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
