@@ -16,6 +16,7 @@ from .accumulate import fold_partial_sums
 from .auto_sp import auto_sequence_parallel
 from .deps import DepGraph
 from .forms import lower_collectives
+from .fp8_gather import quantize_before_gather
 from .lower import lower_sites
 from .match import find_sites
 from .microbatch import slice_microbatches
@@ -31,6 +32,7 @@ def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None, j
     options = options or Options()
     normalize(gm)
     merged = [] if joint_done else auto_sequence_parallel(gm.graph, graph_kind, options)
+    merged += quantize_before_gather(gm.graph, graph_kind, options)
     profile = graph_profile(gm.graph, graph_kind, options)
     slicing = slice_microbatches(gm.graph, graph_kind, options, profile)
     deps = DepGraph(gm.graph)

@@ -1,0 +1,224 @@
+"""Quantise before the gather: an all-gather whose result is only cast to float8 with one
+scale for the whole tensor becomes a float8 all-gather of the shard, cast with the same scale.
+
+torchao's float8 linears quantise their inputs tensorwise: ``scale = amax(|x|) / fp8_max``,
+``x_fp8 = clamp(x / scale).to(fp8)``. In tensor parallelism the operand is often gathered in
+bf16 and quantised after (a float8 training backward gathers the output gradient so), so
+the gather moves twice the bytes it has to, and no GEMM reads the gathered tensor directly:
+the all-gather is no site. Here::
+
+    g = all_gather(x); s = f(amax(h(g))); q = e(g, s).to(fp8); ... q ...
+
+becomes::
+
+    s = f(all_reduce_max(amax(h(x)))); q = all_gather(e(x, s).to(fp8)); ... q ...
+
+where ``h`` and ``e`` are elementwise ops whose other operands are single numbers. An
+elementwise op commutes with a gather along rows, and the largest element of the gathered
+tensor is the largest of the shards' largest, so the scale and every fp8 byte are the ones the
+program computed: the result is bit for bit the same. The gather then moves one byte per
+element (as uint8: gloo has no float8 type, a bitcast either side) and feeds the GEMM
+directly, which makes it an all-gather -> matmul site (passes/all_gather_matmul.py).
+
+A gathered tensor read by anything else (a bf16 GEMM, a sum over some dims, a rowwise scale)
+is left as it is and reported with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.fx import Graph, Node
+from torch.fx.node import map_arg
+
+from overlapc.options import Options
+from overlapc.report import Site
+
+from . import ops
+from .axis import static_shape
+from .build import Builder
+from .normalize import erase_collective
+
+aten = torch.ops.aten
+CONVERT = torch.ops.prims.convert_element_type.default  # a cast in eager and inductor graphs alike
+PATTERN = "fp8_gather"
+FP8 = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
+
+
+class _NotThis(Exception):
+    """The gather is not one this pass rewrites; the message says why."""
+
+
+def _is_full_max(node: Node) -> bool:
+    """A max over every element (amax over all dims, or max without dims)."""
+    if node.op != "call_function":
+        return False
+    if node.target is aten.max.default:
+        return True
+    if node.target is not aten.amax.default:
+        return False
+    dims = ops.arg(node, "dim", [])
+    rank = len(static_shape(node.args[0]) or [])
+    return not dims or sorted(d % rank for d in dims) == list(range(rank))
+
+
+def _is_elementwise(node: Node) -> bool:
+    if not ops.is_pointwise(node) or ops.is_impure(node):
+        return False
+    tags = getattr(node.target, "tags", ())
+    if torch.Tag.nondeterministic_seeded in tags:
+        return False
+    return node.target is not aten._to_copy.default or ops.same_place_copy(node)
+
+
+def _numel_one(a) -> bool:
+    if not isinstance(a, Node):
+        return True
+    shape = static_shape(a)
+    return shape is not None and math.prod(shape) == 1
+
+
+class _Plan:
+    """What the gather's value flows into: elementwise ``region`` nodes (in graph order), the
+    full maxes ``maxes`` read from them, and the float8 casts ``casts`` that leave it."""
+
+    def __init__(self, wait: Node):
+        self.wait = wait
+        self.region: list[Node] = []
+        self.maxes: list[Node] = []
+        self.casts: list[Node] = []
+        shape = static_shape(wait)
+        if shape is None:
+            raise _NotThis("the gathered tensor's shape is symbolic")
+        inside = {wait}
+        for node in _after(wait):
+            ins = [a for a in node.all_input_nodes if a in inside]
+            if not ins:
+                continue
+            if _is_full_max(node):
+                self.maxes.append(node)
+                continue
+            others = [a for a in node.all_input_nodes if a not in inside]
+            if not _is_elementwise(node) or static_shape(node) != shape or not all(map(_numel_one, others)):
+                raise _NotThis(f"the gathered tensor is also read by {ops.op_name(node)} ({node.name})")
+            self.region.append(node)
+            v = ops.val(node)
+            if v is not None and v.dtype in FP8:
+                self.casts.append(node)  # its users are free: they read float8 bytes
+            else:
+                inside.add(node)
+        if not self.maxes:
+            raise _NotThis("the float8 cast's scale is not the gathered tensor's largest element")
+        for node in [wait, *self.region]:
+            if node in self.casts:
+                continue
+            for u in node.users:
+                if u not in self.region and u not in self.maxes:
+                    raise _NotThis(f"the gathered tensor is also read by {ops.op_name(u)} ({u.name})")
+
+
+def _cast_to_fp8(wait: Node) -> bool:
+    """Whether elementwise ops from the gathered tensor reach a float8 value."""
+    todo, seen = [wait], {wait}
+    while todo:
+        for u in todo.pop().users:
+            if u in seen or not _is_elementwise(u):
+                continue
+            v = ops.val(u)
+            if v is not None and v.dtype in FP8:
+                return True
+            seen.add(u)
+            todo.append(u)
+    return False
+
+
+def _after(node: Node):
+    """The nodes after ``node`` in its graph."""
+    n = node.next
+    while n.op != "root":
+        yield n
+        n = n.next
+
+
+def _rewrite(ag: Node, plan: _Plan) -> None:
+    graph = ag.graph
+    shard, world, group = ag.args[0], ag.args[1], ops.group_name(ag)
+    local = {plan.wait: shard}
+
+    def replay(b: Builder, node: Node) -> Node:
+        args, kwargs = map_arg((node.args, node.kwargs), lambda a: local.get(a, a))
+        return b.call(node.target, *args, **kwargs)
+
+    for node in list(_after(plan.wait)):
+        if node not in plan.maxes and node not in plan.region:
+            continue
+        b = Builder(graph, like=node)
+        with graph.inserting_before(node):
+            if node in plan.maxes:
+                # gloo reduces no bf16: the max travels as fp32, exact either way
+                m = b.call(CONVERT, replay(b, node), torch.float32)
+                m = b.call(ops.WAIT, b.call(ops.ALL_REDUCE, m, "max", group))
+                node.replace_all_uses_with(b.call(CONVERT, m, ops.val(node).dtype))
+                graph.erase_node(node)
+                continue
+            local[node] = replay(b, node)
+            if node in plan.casts:
+                raw = b.call(aten.view.dtype, local[node], torch.uint8)
+                done = b.call(ops.WAIT, b.call(ops.ALL_GATHER, raw, world, group))
+                node.replace_all_uses_with(b.call(aten.view.dtype, done, ops.val(node).dtype))
+    for node in reversed(plan.region):
+        if not node.users:
+            graph.erase_node(node)
+    erase_collective(ag, plan.wait)
+
+
+def quantize_before_gather(graph: Graph, graph_kind: str, options: Options) -> list[Site]:
+    """Rewrite every all-gather this applies to; a report row for each gather cast to float8."""
+    rows: list[Site] = []
+    for ag in [n for n in graph.nodes if n.target is ops.ALL_GATHER]:
+        wait = ops.wait_of(ag)
+        if wait is None:
+            continue
+        v = ops.val(wait)
+        if v is None or v.dtype in FP8 or not v.is_floating_point():
+            continue
+        if not _cast_to_fp8(wait):
+            continue  # no float8 here: the all-gather -> matmul finder's case
+        try:
+            plan = _Plan(wait)
+        except _NotThis as e:
+            rows.append(_row(ag, wait, graph_kind, "skipped", str(e)))
+            continue
+        row = _row(ag, wait, graph_kind, "found", None)
+        if options.for_site(row.name)["strategy"] == "none":
+            row.status, row.reason = "skipped", "strategy 'none'"
+        else:
+            _rewrite(ag, plan)
+            row.status, row.strategy = "rewritten", "quantize_before_gather"
+            row.details["wire_bytes"] = {"before": row.comm_bytes, "after": row.comm_bytes // v.element_size()}
+        rows.append(row)
+    if any(r.status == "rewritten" for r in rows):
+        graph.lint()
+    return rows
+
+
+def _row(ag: Node, wait: Node, graph_kind: str, status: str, reason: str | None) -> Site:
+    module = ops.module_path(ag.args[0]) or ops.module_path(wait)
+    v = ops.val(wait)
+    return Site(
+        name=f"{graph_kind}:{module or ag.name}:{PATTERN}",
+        pattern=PATTERN,
+        graph=graph_kind,
+        status=status,
+        reason=reason,
+        group=ops.group_name(ag),
+        world_size=ops.world_size(ag),
+        collective=ag.name,
+        collective_op="all_gather",
+        module=module,
+        dtype=ops.dtype_name(v),
+        comm_bytes=v.numel() * v.element_size() if v is not None else None,
+        shapes={"input": static_shape(ag.args[0]), "output": static_shape(wait)},
+        details={},
+    )
