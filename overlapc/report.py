@@ -34,7 +34,9 @@ class Site:
     """One of PATTERNS; "collective" for a collective that is part of no site; "microbatch" for a
     region of the graph cut into batch slices (option microbatches, passes/microbatch.py);
     "all_reduce_sum" for all-reduces whose results were summed, coalesced into one
-    (passes/coalesce.py; details: the all-reduces merged and the bytes saved)."""
+    (passes/coalesce.py; details: the all-reduces merged and the bytes saved); "all_reduce_rows"
+    for automatic sequence parallelism (passes/auto_sp.py); "fp8_gather" for a gather cast to
+    float8 after it, made to cast first (passes/fp8_gather.py; details: wire bytes)."""
     graph: str
     """"forward", "backward" or "inference"."""
     status: str
