@@ -211,9 +211,14 @@ def movedim_perm(rank: int, src: int, dst: int) -> list[int]:
 
 def copy_graph_module(gm: GraphModule) -> GraphModule:
     """A new GraphModule over a copy of ``gm``'s graph, sharing its submodules, parameters
-    and each node's meta values (the fake tensors): a graph to rewrite while ``gm`` stays."""
+    and each node's meta values (the fake tensors): a graph to rewrite while ``gm`` stays.
+    Graph submodules (higher-order ops' bodies, a checkpointed region's) are copied the same
+    way, so that a rewrite or renaming of the copy leaves ``gm``'s own bodies as they are."""
     graph = Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     new = GraphModule(gm, graph)
     new.meta.update(gm.meta)
+    for name, sub in list(new.named_children()):
+        if isinstance(sub, GraphModule):
+            setattr(new, name, copy_graph_module(sub))
     return new
