@@ -33,7 +33,7 @@ from .normalize import (
     remove_dead_nodes,
     split_cat_gather,
 )
-from .rows import ROW_CHUNKS, ROW_MATMULS, RowChunks, local_row_chunks, row_layout, static_shape
+from .rows import ROW_CHUNKS, ROW_MATMULS, RowChunks, local_row_chunks, pinned_scale, row_layout, static_shape
 from .sites import ConsumerSite, Loose
 
 
@@ -137,31 +137,39 @@ def row_uses(site: AllGatherMatmulSite) -> list[Use]:
     for u in site.uses:
         if u.side != "lhs" or u.role != "rows" or u.matmul.target not in ROW_MATMULS:
             continue
-        if ops.is_scaled_rowwise(u.matmul):
-            continue  # rowwise scales of gathered rows: see can_rewrite
         if not all(p.target in ops.RESHAPES or ops.is_identity(p) or ops.is_full_slice(p) for p in u.path):
             continue
         operand = static_shape(u.matmul.args[u.arg])
         if gshape is None or operand is None or len(operand) != 2 or operand[-1] != gshape[-1]:
             continue
-        if _bias_rows(site, u) is False:
+        if row_args(site, u) is None:
             continue
         out.append(u)
     return out
 
 
-def _bias_rows(site: AllGatherMatmulSite, u: Use) -> bool | None:
-    """For an addmm consumer: True where its bias has the output's rows (each chunk takes its
-    rows of it), None where it is one row broadcast (passed whole), False where neither, or
-    its rows are not the gathered rows rank-major (a gather along another dim than 0)."""
-    if u.matmul.target is not ops.aten.addmm.default:
+def row_args(site: AllGatherMatmulSite, u: Use) -> list[int] | None:
+    """Arguments of a consumer, beside the gathered operand, with one entry per output row: an
+    addmm's full bias, a _scaled_mm's rowwise scale_a. Each chunk takes its rows of them, which
+    are the gathered rows' rank-major order only for a gather along dim 0. [] where there are
+    none (a broadcast bias, a tensorwise scale pass whole); None where they cannot be chunked."""
+    m, out = u.matmul, static_shape(u.matmul)
+    if out is None:
         return None
-    bias, out = static_shape(u.matmul.args[0]), static_shape(u.matmul)
-    if bias is None or out is None:
-        return False
-    if math.prod(bias) == out[-1]:
+    found = []
+    if m.target is ops.aten.addmm.default:
+        bias = static_shape(m.args[0])
+        if bias is None or (math.prod(bias) != out[-1] and bias != out):
+            return None
+        if bias == out and math.prod(bias) != out[-1]:
+            found.append(0)
+    elif m.target is ops.SCALED_MM and ops.scale_kind(m) != "tensor":
+        if ops.scale_kind(m) != "row":
+            return None
+        found.append(2)
+    if found and site.gather_dim != 0:
         return None
-    return bias == out and site.gather_dim == 0
+    return found
 
 
 def can_rewrite(site: AllGatherMatmulSite, deps: DepGraph) -> str | None:
@@ -180,8 +188,8 @@ def can_rewrite(site: AllGatherMatmulSite, deps: DepGraph) -> str | None:
         scaled = [u.matmul.name for u in site.uses if ops.is_scaled_rowwise(u.matmul)]
         if scaled:
             return (
-                f"{', '.join(scaled)} scales the gathered rows rowwise: chunks of those scales are not "
-                "sliced yet (fp8 gathered with a tensorwise scale is a site)"
+                f"{', '.join(scaled)} scales the gathered rows rowwise, in a layout chunks of rows cannot "
+                "take their scales from (a gather along dim 0 can)"
             )
         roles = ", ".join(f"{k}={v}" for k, v in site.details.get("roles", {}).items())
         return f"no matmul consumes gathered rows through reshapes only ({roles})"
@@ -258,13 +266,14 @@ def rewrite_all_gather_matmul(site: AllGatherMatmulSite, chunks: int) -> None:
                         a = b.call(p.target, a, *p.args[1:], **p.kwargs)
                     operands[key].append(a)
             outs, ys = [], []
-            bias = b.view(mm.args[0], [world, rows, ops.shape(mm)[-1]]) if _bias_rows(site, u) else None
+            per_row = {i: b.view(mm.args[i], [world, rows, ops.shape(mm.args[i])[-1]]) for i in row_args(site, u)}
             off = 0
             for a, (_, n) in zip(operands[key], pieces):
                 args = list(mm.args)
                 args[u.arg] = a
-                if bias is not None:  # chunk c's rows of every rank, as its operand holds them
-                    args[0] = b.reshape(b.slice(bias, 1, off, off + n), [world * n, ops.shape(mm)[-1]])
+                for i, whole_rows in per_row.items():  # chunk c's rows of every rank, as its operand holds them
+                    part = b.reshape(b.slice(whole_rows, 1, off, off + n), [world * n, ops.shape(mm.args[i])[-1]])
+                    args[i] = pinned_scale(b, part) if mm.target is ops.SCALED_MM else part
                 off += n
                 y = b.call(mm.target, *args, **mm.kwargs)
                 ys.append(y)

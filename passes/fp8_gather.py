@@ -1,5 +1,6 @@
-"""Quantise before the gather: an all-gather whose result is only cast to float8 with one
-scale for the whole tensor becomes a float8 all-gather of the shard, cast with the same scale.
+"""Quantise before the gather: an all-gather whose result is only cast to float8, with one
+scale for the whole tensor or one per row, becomes a float8 all-gather of the shard, cast
+with the same scales.
 
 torchao's float8 linears quantise their inputs tensorwise: ``scale = amax(|x|) / fp8_max``,
 ``x_fp8 = clamp(x / scale).to(fp8)``. In tensor parallelism the operand is often gathered in
@@ -19,6 +20,11 @@ tensor is the largest of the shards' largest, so the scale and every fp8 byte ar
 program computed: the result is bit for bit the same. The gather then moves one byte per
 element (as uint8: gloo has no float8 type, a bitcast either side) and feeds the GEMM
 directly, which makes it an all-gather -> matmul site (passes/all_gather_matmul.py).
+
+Rowwise scales (torchao's rowwise recipe: ``amax(|g|, dim=-1, keepdim=True)``) are computed
+from each row alone, so the shard's rows get theirs locally, with no all-reduce; the scales
+are gathered beside the float8 rows (4 bytes a row), and the GEMM's chunks take their rows'
+scales.
 
 A gathered tensor read by anything else (a bf16 GEMM, a sum over some dims, a rowwise scale)
 is left as it is and reported with the reason.
@@ -79,43 +85,66 @@ def _numel_one(a) -> bool:
     return shape is not None and math.prod(shape) == 1
 
 
+def _is_row_max(node: Node, shape: list[int]) -> bool:
+    """A max over the last dim that keeps it (a rowwise scale's amax) of a ``shape`` tensor."""
+    if node.op != "call_function" or node.target is not aten.amax.default or static_shape(node.args[0]) != shape:
+        return False
+    dims = ops.arg(node, "dim", [])
+    return [d % len(shape) for d in dims] == [len(shape) - 1] and bool(ops.arg(node, "keepdim", False))
+
+
 class _Plan:
-    """What the gather's value flows into: elementwise ``region`` nodes (in graph order), the
-    full maxes ``maxes`` read from them, and the float8 casts ``casts`` that leave it."""
+    """What the gather's value flows into: ``region`` nodes (in graph order) computed row by
+    row, of the gathered shape or one value per row; the full maxes ``maxes`` read from them;
+    and the ``exits``, region nodes read outside it (float8 casts of the gathered shape, and
+    per-row values such as rowwise scales), each gathered in the rewrite."""
 
     def __init__(self, wait: Node):
         self.wait = wait
         self.region: list[Node] = []
         self.maxes: list[Node] = []
-        self.casts: list[Node] = []
+        self.exits: list[Node] = []
         shape = static_shape(wait)
         if shape is None:
             raise _NotThis("the gathered tensor's shape is symbolic")
-        inside = {wait}
+        per_row = [*shape[:-1], 1]
+        inside, casts = {wait}, []
         for node in _after(wait):
-            ins = [a for a in node.all_input_nodes if a in inside]
-            if not ins:
+            if not any(a in inside for a in node.all_input_nodes):
                 continue
             if _is_full_max(node):
                 self.maxes.append(node)
                 continue
             others = [a for a in node.all_input_nodes if a not in inside]
-            if not _is_elementwise(node) or static_shape(node) != shape or not all(map(_numel_one, others)):
+            row_max = _is_row_max(node, shape)
+            if not row_max and (
+                not _is_elementwise(node)
+                or static_shape(node) not in (shape, per_row)
+                or not all(map(_numel_one, others))
+            ):
+                read = [a for a in node.all_input_nodes if a in inside]
+                if all(a is not wait and static_shape(a) == per_row for a in read):
+                    continue  # reads per-row values only (a rowwise scale): they leave, gathered
                 raise _NotThis(f"the gathered tensor is also read by {ops.op_name(node)} ({node.name})")
             self.region.append(node)
             v = ops.val(node)
-            if v is not None and v.dtype in FP8:
-                self.casts.append(node)  # its users are free: they read float8 bytes
+            if v is not None and v.dtype in FP8 and static_shape(node) == shape:
+                casts.append(node)  # its users are free: they read float8 bytes
             else:
                 inside.add(node)
-        if not self.maxes:
-            raise _NotThis("the float8 cast's scale is not the gathered tensor's largest element")
+        if not casts:
+            raise _NotThis("the gathered tensor is not cast to float8 row by row")
+        self.exits = list(casts)
         for node in [wait, *self.region]:
-            if node in self.casts:
+            if node in casts:
                 continue
-            for u in node.users:
-                if u not in self.region and u not in self.maxes:
-                    raise _NotThis(f"the gathered tensor is also read by {ops.op_name(u)} ({u.name})")
+            outside = [u for u in node.users if u not in inside and u not in casts and u not in self.maxes]
+            if outside and node is not wait and static_shape(node) == per_row:
+                self.exits.append(node)  # a per-row value read outside: gathered too (4 bytes a row)
+            elif outside:
+                u = outside[0]
+                raise _NotThis(f"the gathered tensor is also read by {ops.op_name(u)} ({u.name})")
+        self.exits.sort(key=self.region.index)
 
 
 def _cast_to_fp8(wait: Node) -> bool:
@@ -163,10 +192,14 @@ def _rewrite(ag: Node, plan: _Plan) -> None:
                 graph.erase_node(node)
                 continue
             local[node] = replay(b, node)
-            if node in plan.casts:
-                raw = b.call(aten.view.dtype, local[node], torch.uint8)
+            if node in plan.exits:
+                dtype = ops.val(node).dtype
+                # gloo has no float8 type: float8 travels as uint8, a bitcast either side
+                raw = b.call(aten.view.dtype, local[node], torch.uint8) if dtype in FP8 else local[node]
                 done = b.call(ops.WAIT, b.call(ops.ALL_GATHER, raw, world, group))
-                node.replace_all_uses_with(b.call(aten.view.dtype, done, ops.val(node).dtype))
+                gathered = b.call(aten.view.dtype, done, dtype) if dtype in FP8 else done
+                inside = set(plan.region) | set(plan.maxes)
+                node.replace_all_uses_with(gathered, delete_user_cb=lambda u: u not in inside)
     for node in reversed(plan.region):
         if not node.users:
             graph.erase_node(node)
@@ -194,13 +227,19 @@ def quantize_before_gather(graph: Graph, graph_kind: str, options: Options) -> l
         if options.for_site(row.name)["strategy"] == "none":
             row.status, row.reason = "skipped", "strategy 'none'"
         else:
+            after = sum(_nbytes(n) for n in plan.exits) // ops.world_size(ag)
+            row.details["wire_bytes"] = {"before": row.comm_bytes, "after": after}  # this rank's shard
             _rewrite(ag, plan)
             row.status, row.strategy = "rewritten", "quantize_before_gather"
-            row.details["wire_bytes"] = {"before": row.comm_bytes, "after": row.comm_bytes // v.element_size()}
         rows.append(row)
     if any(r.status == "rewritten" for r in rows):
         graph.lint()
     return rows
+
+
+def _nbytes(node: Node) -> int | None:
+    v = ops.val(node)
+    return None if v is None else v.numel() * v.element_size()
 
 
 def _row(ag: Node, wait: Node, graph_kind: str, status: str, reason: str | None) -> Site:
@@ -218,7 +257,7 @@ def _row(ag: Node, wait: Node, graph_kind: str, status: str, reason: str | None)
         collective_op="all_gather",
         module=module,
         dtype=ops.dtype_name(v),
-        comm_bytes=v.numel() * v.element_size() if v is not None else None,
+        comm_bytes=_nbytes(ag.args[0]),
         shapes={"input": static_shape(ag.args[0]), "output": static_shape(wait)},
         details={},
     )

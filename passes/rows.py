@@ -65,6 +65,14 @@ def can_chunk_rows(root: Node, prod: Producer) -> str | None:
     return None
 
 
+def pinned_scale(b: Builder, rows: Node) -> Node:
+    """A chunk's (n, 1) rowwise scales for _scaled_mm, which checks scale_a.stride(1) == 1:
+    inductor may lay out a copied (n, 1) slice with any stride on its size-1 dim, and
+    as_strided fixes that stride."""
+    n = static_shape(rows)[0]
+    return b.call(ops.aten.as_strided.default, b.reshape(rows, [n]), [n, 1], [1, 1])
+
+
 def chunk_rows(b: Builder, root: Node, prod: Producer, select: Callable[[Node], Node]) -> Node:
     """Build ``root``'s rows picked by ``select`` (applied to each matmul's (M, K) left
     operand); returns a node of shape (rows, N)."""
@@ -79,12 +87,7 @@ def chunk_rows(b: Builder, root: Node, prod: Producer, select: Callable[[Node], 
             args = list(node.args)
             args[lhs] = select(node.args[lhs])
             if ops.is_scaled_rowwise(node):
-                # Rowwise scales go with their rows. _scaled_mm checks scale_a.stride(1) == 1, and
-                # inductor may lay out a copied (n, 1) slice with any stride on its size-1 dim:
-                # as_strided fixes that stride.
-                rows = select(node.args[2])
-                n = static_shape(rows)[0]
-                args[2] = b.call(ops.aten.as_strided.default, b.reshape(rows, [n]), [n, 1], [1, 1])
+                args[2] = pinned_scale(b, select(node.args[2]))  # rowwise scales go with their rows
             out = b.call(node.target, *args, **node.kwargs)
         elif node.target is ops.ADD:
             a, c = (ev(x) if isinstance(x, Node) else x for x in node.args[:2])

@@ -6,8 +6,8 @@ as torchao's float8 linears lower to it (real gloo worlds; torch runs _scaled_mm
   the bf16 product is reduce-scattered (all-reduced). A chunk's GEMM slices the rowwise scale with its rows.
 - Column-parallel input (AG -> mm): torchao's "float8 all-gather" casts the shard before
   the gather, with a tensorwise scale, so the gather moves fp8 bytes and the GEMM reads
-  them. Rowwise scales of a gathered operand are computed after the gather (from its rows'
-  amax): that site is reported with its reason, and left alone.
+  them. Rowwise scales of gathered rows are gathered beside them; each chunk's GEMM takes
+  its rows' scales. A bf16 gather quantised rowwise after it is quantised before it instead.
 - Training (``Float8Linear``, torchao's float8 linear with tensorwise scales): the forward
   gathers bf16 rows and the backward the bf16 output gradient, each quantised after the
   gather. passes/fp8_gather.py moves the quantisation before the gather (the scale's amax
@@ -68,8 +68,8 @@ def col_parallel_f8_gather(x, w, group):
 
 
 def col_parallel_gathered_scales(x, w, group):
-    """fp8 rows and their rowwise scales gathered apart: the GEMM's chunks would need their
-    part of the gathered scales, which the rewrite does not slice yet."""
+    """fp8 rows and their rowwise scales gathered apart: each of the GEMM's chunks takes its
+    rows of the gathered scales."""
     xq, sx = to_f8(x, True)
     g = funcol.all_gather_tensor(xq.view(torch.uint8), 0, group).view(F8)
     gs = funcol.all_gather_tensor(sx, 0, group)
@@ -78,7 +78,8 @@ def col_parallel_gathered_scales(x, w, group):
 
 
 def col_parallel_rowwise(x, w, group):
-    """bf16 all-gather, then rowwise quantisation of the gathered rows: not a site."""
+    """bf16 all-gather, then rowwise quantisation of the gathered rows (torchao's rowwise
+    recipe): quantised before the gather instead, the scales gathered beside the rows."""
     g = funcol.all_gather_tensor(x, 0, group)
     gq, sg = to_f8(g, True)
     wq, sw = to_f8(w, True)
@@ -151,11 +152,12 @@ EXPECTED = {
     "ar_rowwise": [("matmul_all_reduce", "rewritten", "")],
     "ag_f8_gather": [("all_gather_matmul", "rewritten", ""), ("collective", "skipped", "not a matmul")],
     "ag_rowwise_after_gather": [
+        ("fp8_gather", "rewritten", ""),
+        ("all_gather_matmul", "rewritten", ""),
         ("collective", "skipped", "no matmul consumer"),
-        ("fp8_gather", "skipped", "also read by amax"),
     ],
     "ag_rowwise_gathered_scales": [
-        ("all_gather_matmul", "skipped", "scales the gathered rows rowwise"),
+        ("all_gather_matmul", "rewritten", ""),
         ("collective", "skipped", "no matmul consumer"),
     ],
     "ag_read_twice": [("fp8_gather", "skipped", "also read by"), ("all_gather_matmul", "rewritten", "")],
