@@ -148,6 +148,26 @@ def row_uses(site: AllGatherMatmulSite) -> list[Use]:
     return out
 
 
+def contraction_uses(site: AllGatherMatmulSite) -> list[Use]:
+    """Consumers that sum over the gathered rows: ``mm(a, g)`` with ``g`` the gathered rows
+    (reached through reshapes that keep the last dim) and ``a`` of shape (N, M), a weight
+    gradient. Chunk c's partial product takes chunk c's columns of ``a``."""
+    gshape = static_shape(site.gathered)
+    if gshape is None:
+        return []
+    out = []
+    for u in site.uses:
+        if u.side != "rhs" or u.role != "contraction" or u.matmul.target is not ops.aten.mm.default:
+            continue
+        if not all(p.target in ops.RESHAPES or ops.is_identity(p) or ops.is_full_slice(p) for p in u.path):
+            continue
+        operand, lhs = static_shape(u.matmul.args[u.arg]), static_shape(u.matmul.args[0])
+        if operand is None or len(operand) != 2 or operand[-1] != gshape[-1] or lhs is None or lhs[-1] != operand[0]:
+            continue
+        out.append(u)
+    return out
+
+
 def row_args(site: AllGatherMatmulSite, u: Use) -> list[int] | None:
     """Arguments of a consumer, beside the gathered operand, with one entry per output row: an
     addmm's full bias, a _scaled_mm's rowwise scale_a. Each chunk takes its rows of them, which
@@ -184,7 +204,7 @@ def can_rewrite(site: AllGatherMatmulSite, deps: DepGraph) -> str | None:
         return "gathered along the last (contraction) dim: no output rows to pipeline"
     if chunk_extent(site) < 2:
         return "the shard has a single row: too small to chunk"
-    if not row_uses(site):
+    if not row_uses(site) and not contraction_uses(site):
         scaled = [u.matmul.name for u in site.uses if ops.is_scaled_rowwise(u.matmul)]
         if scaled:
             return (
@@ -192,7 +212,7 @@ def can_rewrite(site: AllGatherMatmulSite, deps: DepGraph) -> str | None:
                 "take their scales from (a gather along dim 0 can)"
             )
         roles = ", ".join(f"{k}={v}" for k, v in site.details.get("roles", {}).items())
-        return f"no matmul consumes gathered rows through reshapes only ({roles})"
+        return f"no matmul consumes gathered rows, or sums over them, through reshapes only ({roles})"
     return None
 
 
@@ -222,12 +242,12 @@ def rewrite_all_gather_matmul(site: AllGatherMatmulSite, chunks: int) -> None:
     layout and values are exactly the original's.
     """
     graph = site.coll.graph
-    uses = row_uses(site)
+    uses, sums = row_uses(site), contraction_uses(site)
     x, d, world, group = site.shard, site.gather_dim, site.world, site.group
     xshape = static_shape(x)
     rank = len(xshape)
     k, rows = xshape[-1], chunk_extent(site)
-    first = ops.in_graph_order(u.matmul for u in uses)[0]
+    first = ops.in_graph_order(u.matmul for u in uses + sums)[0]
     b = Builder(graph, like=site.coll)
 
     def assemble(parts, last):
@@ -255,20 +275,25 @@ def rewrite_all_gather_matmul(site: AllGatherMatmulSite, chunks: int) -> None:
             pieces.append((b.call(ops.WAIT, ag), n))
             off += n
         operands: dict[tuple, list[Node]] = {}
-        for u in uses:
-            mm = u.matmul
+
+        def chunks_for(u: Use) -> list[Node]:
+            """The ranges as ``u``'s operand: one per range, shared by consumers with the same casts."""
             casts = [p for p in u.path if p.target in ops.IDENTITIES and p.target is not ops.aten.clone.default]
             key = tuple((p.target, p.args[1:], tuple(p.kwargs.items())) for p in casts)
-            if key not in operands:  # one operand per range, shared by consumers with the same casts
+            if key not in operands:
                 operands[key] = []
                 for a, _ in pieces:
                     for p in casts:
                         a = b.call(p.target, a, *p.args[1:], **p.kwargs)
                     operands[key].append(a)
+            return operands[key]
+
+        for u in uses:
+            mm = u.matmul
             outs, ys = [], []
             per_row = {i: b.view(mm.args[i], [world, rows, ops.shape(mm.args[i])[-1]]) for i in row_args(site, u)}
             off = 0
-            for a, (_, n) in zip(operands[key], pieces):
+            for a, (_, n) in zip(chunks_for(u), pieces):
                 args = list(mm.args)
                 args[u.arg] = a
                 for i, whole_rows in per_row.items():  # chunk c's rows of every rank, as its operand holds them
@@ -282,10 +307,23 @@ def rewrite_all_gather_matmul(site: AllGatherMatmulSite, chunks: int) -> None:
             # A later reduce-scatter with the same row layout reads these chunks directly.
             whole.meta[ROW_CHUNKS] = RowChunks(layout, ys)
             mm.replace_all_uses_with(whole)
+        for u in sums:  # a sum over the gathered rows: one partial product per range, added up
+            mm, n_out, lead = u.matmul, ops.shape(u.matmul.args[0])[0], xshape[:-1]
+            # a's columns are the gathered rows, (..., W * x_d, ...) flattened: as (N, W, rows)
+            cols = b.reshape(mm.args[0], [n_out, *lead[:d], world, *lead[d:]])
+            if d:
+                cols = b.permute(cols, movedim_perm(len(lead) + 2, 1 + d, 1))
+            cols = b.reshape(cols, [n_out, world, rows])
+            total, off = None, 0
+            for a, (_, n) in zip(chunks_for(u), pieces):
+                part = b.call(mm.target, b.reshape(b.slice(cols, 2, off, off + n), [n_out, world * n]), a)
+                total = part if total is None else b.call(ops.ADD, total, part)
+                off += n
+            mm.replace_all_uses_with(total)
         last = b.created[-1]
     if sources:
         site.details["rows_from"] = sources
-    for u in uses:  # not inside inserting_before(first): first is one of them
+    for u in uses + sums:  # not inside inserting_before(first): first is one of them
         graph.erase_node(u.matmul)
     remove_dead_nodes(graph)
     if ops.data_users(site.gathered):

@@ -72,14 +72,16 @@ def predict_site(site: MatchedSite, profile: cost.Profile, extent: int) -> cost.
     nbytes = site.comm_bytes()
     if nbytes is None or site.world is None:
         return None
+    sums = []  # GEMMs that sum over the gathered rows: the chunks cut their contraction dim
     if site.pattern == "all_gather_matmul":
-        from .all_gather_matmul import row_uses
+        from .all_gather_matmul import contraction_uses, row_uses
 
         mms = [u.matmul for u in row_uses(site)]
+        sums = [u.matmul for u in contraction_uses(site)]
     else:
         mms = site.matmuls
     pairs = []
-    for m in mms:
+    for m in mms + sums:
         lhs = ops.MATMULS[m.target][0]
         a, out = ops.val(m.args[lhs]), ops.val(m)
         if a is None or out is None:
@@ -93,12 +95,14 @@ def predict_site(site: MatchedSite, profile: cost.Profile, extent: int) -> cost.
     # What the rewrite copies: chunk outputs concatenated back (AG: every consumer's output;
     # RS/AR: the collective's output) and, for RS, the GEMM inputs regrouped by rank.
     if site.pattern == "all_gather_matmul":
-        copied = sum(_nbytes(out) for _, out in pairs)
+        copied = sum(_nbytes(out) for _, out in pairs[: len(mms)])
     else:
         copied = _nbytes(ops.val(site.coll))
         if site.pattern == "matmul_reduce_scatter":
             copied += sum(_nbytes(a) for a, _ in pairs)
-    ms = [ops.hint(out.shape[-2]) for _, out in pairs]  # M of the GEMM calls the chunks cut
+    # the dim of the GEMM calls the chunks cut: M of row consumers, K of sums over the rows
+    ms = [ops.hint(out.shape[-2]) for _, out in pairs[: len(mms)]]
+    ms += [ops.hint(a.shape[-1]) for a, _ in pairs[len(mms) :]]
     rows = None if None in ms else min(ms)
     return cost.predict(
         site.pattern,
