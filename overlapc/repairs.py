@@ -41,10 +41,11 @@ def _rng_state_outputs():
     return run_and_save_rng_state, is_opaque_node
 
 
-def fix_saved_order(fw: fx.GraphModule, bw: fx.GraphModule) -> bool:
+def fix_saved_order(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> bool:
     """Put the forward's saved rng states before its saved opaque objects, and the backward's
-    rng-state placeholders before its opaque placeholders, keeping each group's order. True
-    where the graphs changed."""
+    rng-state placeholders before its opaque placeholders, keeping each group's order. The
+    forward's first ``num_fwd_outputs`` outputs are the program's own (a DTensor output brings
+    its mesh among them) and stay where they are. True where the graphs changed."""
     found = _rng_state_outputs()
     if found is None:
         return False
@@ -58,15 +59,15 @@ def fix_saved_order(fw: fx.GraphModule, bw: fx.GraphModule) -> bool:
         )
 
     out = next(iter(fw.graph.find_nodes(op="output")))
-    outs = list(out.args[0])
-    opaque = [i for i, n in enumerate(outs) if is_opaque(n)]
-    late = {i for i, n in enumerate(outs) if is_state(n) and opaque and i > opaque[0]}
+    own, saved = list(out.args[0][:num_fwd_outputs]), list(out.args[0][num_fwd_outputs:])
+    opaque = [i for i, n in enumerate(saved) if is_opaque(n)]
+    late = {i for i, n in enumerate(saved) if is_state(n) and opaque and i > opaque[0]}
     if not late:
         return False
-    states = [outs[i] for i in sorted(late)]
-    rest = [n for i, n in enumerate(outs) if i not in late]
+    states = [saved[i] for i in sorted(late)]
+    rest = [n for i, n in enumerate(saved) if i not in late]
     at = next(i for i, n in enumerate(rest) if is_opaque(n))
-    out.args = (tuple(rest[:at] + states + rest[at:]),)
+    out.args = (tuple(own + rest[:at] + states + rest[at:]),)
 
     # functionalize_rng_ops names the backward's rng-state placeholders in forward output order
     phs = list(bw.graph.find_nodes(op="placeholder"))
@@ -95,7 +96,7 @@ def eager_partition(rows_pass):
         rows_pass(joint.graph)
         joint.recompile()
         fw, bw = default_partition(joint, joint_inputs, **kw)
-        fix_saved_order(fw, bw)
+        fix_saved_order(fw, bw, kw["num_fwd_outputs"])
         return fw, bw
 
     return partition
@@ -121,7 +122,7 @@ def inductor_partitioner(inductor_config):
                 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
                 fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kw)
-            fix_saved_order(fw, bw)
+            fix_saved_order(fw, bw, kw["num_fwd_outputs"])
             return fw, bw
 
         def uuid(self):

@@ -51,9 +51,10 @@ def _build(parallel_dims, n_layers: int):
     return model
 
 
-def check_torchtitan_llama(inner: str) -> dict:
+def check_torchtitan_llama(inner: str, ac: str | None = None) -> dict:
     """Job (world 2): eager against every block compiled on its own (apply_compile's way),
-    with an override naming one block's site."""
+    with an override naming one block's site; each block first checkpointed by torchtitan's
+    own policy where ``ac`` ("full" or "selective") says so, as its trainer orders them."""
     import torchtitan.distributed.parallel_dims as titan_dims
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as titan_utils
@@ -67,6 +68,11 @@ def check_torchtitan_llama(inner: str) -> dict:
     titan_utils.set_spmd_backend("partial_dtensor")
     dims.build_mesh()
     ref, model = _build(dims, 3), _build(dims, 3)
+    if ac is not None:
+        from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+        policy = FullAC if ac == "full" else SelectiveAC
+        policy(policy.Config()).apply(model)
     opts = {"strategy": "decompose", "inner": inner, "overrides": {ONE_SITE: {"strategy": "none"}}}
     for block in model.layers.values():
         block.compile(backend="overlapc", options=opts, fullgraph=True)
@@ -74,6 +80,8 @@ def check_torchtitan_llama(inner: str) -> dict:
     overlapc.reset_report()
     want = {"forward": eager_check.step(ref, (tokens,), seed=3), **eager_check.grads(ref)}
     got = {"forward": eager_check.step(model, (tokens,), seed=3), **eager_check.grads(model)}
+    # parameter names as the user sees them: without the checkpoint wrapper's attribute
+    got = {k.replace("._checkpoint_wrapped_module", ""): v for k, v in got.items()}
     eager_check.assert_matches(got, want, dict(rtol=1e-5, atol=1e-5))
     return {"sites": sorted((s.name, s.status) for s in overlapc.last_report().sites if s.pattern != "collective")}
 
@@ -88,4 +96,18 @@ def test_torchtitan_llama3_per_block_compile(world2, inner):
         assert {n.split(":")[1].split(".")[1] for n, _ in sites} == {"0", "1", "2"}, sites
         named = [s for n, s in sites if fnmatch.fnmatchcase(n, ONE_SITE)]
         assert named == ["found", "found"], sites
+        assert all(s == "rewritten" for n, s in sites if not fnmatch.fnmatchcase(n, ONE_SITE)), sites
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_torchtitan_llama3_activation_checkpointing(world2, ac):
+    """torchtitan's FullAC / SelectiveAC, then per-block compile: the backward's recomputed
+    sites are found and rewritten too, and the step equals eager."""
+    for res in world2.run(check_torchtitan_llama, "eager", ac):
+        sites = res["sites"]
+        assert len(sites) > 24, sites  # the 24 of the test above, and the recomputed ones
+        assert {n.split(":")[1].split(".")[1] for n, _ in sites} == {"0", "1", "2"}, sites
+        named = [s for n, s in sites if fnmatch.fnmatchcase(n, ONE_SITE)]
+        assert named and all(s == "found" for s in named), sites
         assert all(s == "rewritten" for n, s in sites if not fnmatch.fnmatchcase(n, ONE_SITE)), sites
