@@ -307,8 +307,13 @@ def rewrite_all_gather_matmul(site: AllGatherMatmulSite, chunks: int) -> None:
             # A later reduce-scatter with the same row layout reads these chunks directly.
             whole.meta[ROW_CHUNKS] = RowChunks(layout, ys)
             mm.replace_all_uses_with(whole)
-        for u in sums:  # a sum over the gathered rows: one partial product per range, added up
-            mm, n_out, lead = u.matmul, ops.shape(u.matmul.args[0])[0], xshape[:-1]
+        for u in sums:
+            chunks_for(u)  # the ranges' casts, beside the gathers
+        last = b.created[-1]
+    for u in sums:  # a sum over the gathered rows: one partial product per range, added up
+        mm, n_out, lead = u.matmul, ops.shape(u.matmul.args[0])[0], xshape[:-1]
+        # where the sum was: its other operand (a gradient) may be computed after the first GEMM
+        with graph.inserting_before(mm):
             # a's columns are the gathered rows, (..., W * x_d, ...) flattened: as (N, W, rows)
             cols = b.reshape(mm.args[0], [n_out, *lead[:d], world, *lead[d:]])
             if d:
@@ -319,8 +324,7 @@ def rewrite_all_gather_matmul(site: AllGatherMatmulSite, chunks: int) -> None:
                 part = b.call(mm.target, b.reshape(b.slice(cols, 2, off, off + n), [n_out, world * n]), a)
                 total = part if total is None else b.call(ops.ADD, total, part)
                 off += n
-            mm.replace_all_uses_with(total)
-        last = b.created[-1]
+        mm.replace_all_uses_with(total)
     if sources:
         site.details["rows_from"] = sources
     for u in uses + sums:  # not inside inserting_before(first): first is one of them

@@ -209,6 +209,7 @@ def _rewrite(ag: Node, plan: _Plan) -> None:
 def quantize_before_gather(graph: Graph, graph_kind: str, options: Options) -> list[Site]:
     """Rewrite every all-gather this applies to; a report row for each gather cast to float8."""
     rows: list[Site] = []
+    seen: dict[str, int] = {}
     for ag in [n for n in graph.nodes if n.target is ops.ALL_GATHER]:
         wait = ops.wait_of(ag)
         if wait is None:
@@ -221,9 +222,9 @@ def quantize_before_gather(graph: Graph, graph_kind: str, options: Options) -> l
         try:
             plan = _Plan(wait)
         except _NotThis as e:
-            rows.append(_row(ag, wait, graph_kind, "skipped", str(e)))
+            rows.append(_row(ag, wait, graph_kind, "skipped", str(e), seen))
             continue
-        row = _row(ag, wait, graph_kind, "found", None)
+        row = _row(ag, wait, graph_kind, "found", None, seen)
         if options.for_site(row.name)["strategy"] == "none":
             row.status, row.reason = "skipped", "strategy 'none'"
         else:
@@ -242,11 +243,14 @@ def _nbytes(node: Node) -> int | None:
     return None if v is None else v.numel() * v.element_size()
 
 
-def _row(ag: Node, wait: Node, graph_kind: str, status: str, reason: str | None) -> Site:
+def _row(ag: Node, wait: Node, graph_kind: str, status: str, reason: str | None, seen: dict) -> Site:
+    """A report row; ``seen`` counts names so far, so that a module's second gather is "#2"."""
     module = ops.module_path(ag.args[0]) or ops.module_path(wait)
     v = ops.val(wait)
+    base = f"{graph_kind}:{module or ag.name}:{PATTERN}"
+    seen[base] = seen.get(base, 0) + 1
     return Site(
-        name=f"{graph_kind}:{module or ag.name}:{PATTERN}",
+        name=base if seen[base] == 1 else f"{base}#{seen[base]}",
         pattern=PATTERN,
         graph=graph_kind,
         status=status,
