@@ -96,7 +96,8 @@ def eager_partition(rows_pass):
         rows_pass(joint.graph)
         joint.recompile()
         fw, bw = default_partition(joint, joint_inputs, **kw)
-        fix_saved_order(fw, bw, kw["num_fwd_outputs"])
+        if "num_fwd_outputs" in kw:
+            fix_saved_order(fw, bw, kw["num_fwd_outputs"])
         return fw, bw
 
     return partition
@@ -122,7 +123,8 @@ def inductor_partitioner(inductor_config):
                 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
                 fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kw)
-            fix_saved_order(fw, bw, kw["num_fwd_outputs"])
+            if "num_fwd_outputs" in kw:
+                fix_saved_order(fw, bw, kw["num_fwd_outputs"])
             return fw, bw
 
         def uuid(self):

@@ -44,7 +44,7 @@ from overlapc.report import Site
 from . import ops
 from .axis import static_shape
 from .build import Builder
-from .normalize import erase_collective
+from .normalize import erase_collective, remove_dead_nodes, split_cat_gather
 
 aten = torch.ops.aten
 CONVERT = torch.ops.prims.convert_element_type.default  # a cast in eager and inductor graphs alike
@@ -85,50 +85,62 @@ def _numel_one(a) -> bool:
     return shape is not None and math.prod(shape) == 1
 
 
-def _is_row_max(node: Node, shape: list[int]) -> bool:
-    """A max over the last dim that keeps it (a rowwise scale's amax) of a ``shape`` tensor."""
-    if node.op != "call_function" or node.target is not aten.amax.default or static_shape(node.args[0]) != shape:
+def _is_row_max(node: Node) -> bool:
+    """A max over the last dim that keeps it (a rowwise scale's amax)."""
+    if node.op != "call_function" or node.target is not aten.amax.default:
         return False
+    rank = len(static_shape(node.args[0]) or [])
     dims = ops.arg(node, "dim", [])
-    return [d % len(shape) for d in dims] == [len(shape) - 1] and bool(ops.arg(node, "keepdim", False))
+    return rank > 0 and [d % rank for d in dims] == [rank - 1] and bool(ops.arg(node, "keepdim", False))
 
 
 class _Plan:
-    """What the gather's value flows into: ``region`` nodes (in graph order) computed row by
-    row, of the gathered shape or one value per row; the full maxes ``maxes`` read from them;
-    and the ``exits``, region nodes read outside it (float8 casts of the gathered shape, and
-    per-row values such as rowwise scales), each gathered in the rewrite."""
+    """What the gathered value ``wait`` flows into: ``region`` nodes (in graph order) computed
+    row by row, each the gathered size or one value per row (in any layout of the leading dims:
+    ``reshapes`` keep the last dim); the full maxes ``maxes`` read from them; and the
+    ``exits``, region nodes read outside it (float8 casts of the gathered size, and per-row
+    values such as rowwise scales), each gathered in the rewrite. On the shard, region values
+    keep the shard's own layout; an exit is reshaped after its gather."""
 
     def __init__(self, wait: Node):
         self.wait = wait
         self.region: list[Node] = []
         self.maxes: list[Node] = []
         self.exits: list[Node] = []
+        self.reshapes: set[Node] = set()
         shape = static_shape(wait)
         if shape is None:
             raise _NotThis("the gathered tensor's shape is symbolic")
-        per_row = [*shape[:-1], 1]
+        k, total = shape[-1], math.prod(shape)
+
+        def full(n) -> bool:
+            s = static_shape(n)
+            return s is not None and s[-1] == k and math.prod(s) == total
+
+        def per_row(n) -> bool:
+            s = static_shape(n)
+            return s is not None and s[-1] == 1 and math.prod(s) * k == total
+
         inside, casts = {wait}, []
         for node in _after(wait):
-            if not any(a in inside for a in node.all_input_nodes):
+            read = [a for a in node.all_input_nodes if a in inside]
+            if not read:
                 continue
             if _is_full_max(node):
                 self.maxes.append(node)
                 continue
             others = [a for a in node.all_input_nodes if a not in inside]
-            row_max = _is_row_max(node, shape)
-            if not row_max and (
-                not _is_elementwise(node)
-                or static_shape(node) not in (shape, per_row)
-                or not all(map(_numel_one, others))
+            if node.target in ops.RESHAPES and (full(node) or per_row(node)) and (full(read[0]) == full(node)):
+                self.reshapes.add(node)
+            elif not (_is_row_max(node) and full(read[0])) and not (
+                _is_elementwise(node) and (full(node) or per_row(node)) and all(map(_numel_one, others))
             ):
-                read = [a for a in node.all_input_nodes if a in inside]
-                if all(a is not wait and static_shape(a) == per_row for a in read):
+                if all(a is not wait and per_row(a) for a in read):
                     continue  # reads per-row values only (a rowwise scale): they leave, gathered
                 raise _NotThis(f"the gathered tensor is also read by {ops.op_name(node)} ({node.name})")
             self.region.append(node)
             v = ops.val(node)
-            if v is not None and v.dtype in FP8 and static_shape(node) == shape:
+            if v is not None and v.dtype in FP8 and full(node):
                 casts.append(node)  # its users are free: they read float8 bytes
             else:
                 inside.add(node)
@@ -139,7 +151,7 @@ class _Plan:
             if node in casts:
                 continue
             outside = [u for u in node.users if u not in inside and u not in casts and u not in self.maxes]
-            if outside and node is not wait and static_shape(node) == per_row:
+            if outside and node is not wait and per_row(node):
                 self.exits.append(node)  # a per-row value read outside: gathered too (4 bytes a row)
             elif outside:
                 u = outside[0]
@@ -148,11 +160,11 @@ class _Plan:
 
 
 def _cast_to_fp8(wait: Node) -> bool:
-    """Whether elementwise ops from the gathered tensor reach a float8 value."""
+    """Whether elementwise ops (and reshapes) from the gathered tensor reach a float8 value."""
     todo, seen = [wait], {wait}
     while todo:
         for u in todo.pop().users:
-            if u in seen or not _is_elementwise(u):
+            if u in seen or not (_is_elementwise(u) or u.target in ops.RESHAPES):
                 continue
             v = ops.val(u)
             if v is not None and v.dtype in FP8:
@@ -170,10 +182,19 @@ def _after(node: Node):
         n = n.next
 
 
-def _rewrite(ag: Node, plan: _Plan) -> None:
+def _rewrite(ag: Node, wait: Node, plan: _Plan, dim: int) -> None:
+    """``plan.wait`` is the gathered tensor: ``wait`` itself, or for a gather along ``dim`` > 0
+    the cat of its rank pieces (passes/normalize.split_cat_gather), rebuilt alike for each exit."""
     graph = ag.graph
     shard, world, group = ag.args[0], ag.args[1], ops.group_name(ag)
     local = {plan.wait: shard}
+
+    def gather(b: Builder, t: Node) -> Node:
+        done = b.call(ops.WAIT, b.call(ops.ALL_GATHER, t, world, group))
+        if dim == 0:
+            return done
+        n = static_shape(t)[0]
+        return b.cat([b.slice(done, 0, r * n, (r + 1) * n) for r in range(world)], dim)
 
     def replay(b: Builder, node: Node) -> Node:
         args, kwargs = map_arg((node.args, node.kwargs), lambda a: local.get(a, a))
@@ -191,19 +212,22 @@ def _rewrite(ag: Node, plan: _Plan) -> None:
                 node.replace_all_uses_with(b.call(CONVERT, m, ops.val(node).dtype))
                 graph.erase_node(node)
                 continue
-            local[node] = replay(b, node)
+            local[node] = local[node.args[0]] if node in plan.reshapes else replay(b, node)
             if node in plan.exits:
                 dtype = ops.val(node).dtype
                 # gloo has no float8 type: float8 travels as uint8, a bitcast either side
                 raw = b.call(aten.view.dtype, local[node], torch.uint8) if dtype in FP8 else local[node]
-                done = b.call(ops.WAIT, b.call(ops.ALL_GATHER, raw, world, group))
+                done = gather(b, raw)
                 gathered = b.call(aten.view.dtype, done, dtype) if dtype in FP8 else done
+                if static_shape(gathered) != static_shape(node):  # the shard kept its own layout
+                    gathered = b.reshape(gathered, static_shape(node))
                 inside = set(plan.region) | set(plan.maxes)
                 node.replace_all_uses_with(gathered, delete_user_cb=lambda u: u not in inside)
     for node in reversed(plan.region):
         if not node.users:
             graph.erase_node(node)
-    erase_collective(ag, plan.wait)
+    remove_dead_nodes(graph)  # the rank pieces and their cat, for a gather along dim > 0
+    erase_collective(ag, wait)
 
 
 def quantize_before_gather(graph: Graph, graph_kind: str, options: Options) -> list[Site]:
@@ -217,10 +241,12 @@ def quantize_before_gather(graph: Graph, graph_kind: str, options: Options) -> l
         v = ops.val(wait)
         if v is None or v.dtype in FP8 or not v.is_floating_point():
             continue
-        if not _cast_to_fp8(wait):
+        # a gather along another dim than 0: wait -> rank pieces -> cat along that dim
+        gathered, dim = split_cat_gather(wait, ops.world_size(ag)) or (wait, 0)
+        if not _cast_to_fp8(gathered):
             continue  # no float8 here: the all-gather -> matmul finder's case
         try:
-            plan = _Plan(wait)
+            plan = _Plan(gathered)
         except _NotThis as e:
             rows.append(_row(ag, wait, graph_kind, "skipped", str(e), seen))
             continue
@@ -230,7 +256,7 @@ def quantize_before_gather(graph: Graph, graph_kind: str, options: Options) -> l
         else:
             after = sum(_nbytes(n) for n in plan.exits) // ops.world_size(ag)
             row.details["wire_bytes"] = {"before": row.comm_bytes, "after": after}  # this rank's shard
-            _rewrite(ag, plan)
+            _rewrite(ag, wait, plan, dim)
             row.status, row.strategy = "rewritten", "quantize_before_gather"
         rows.append(row)
     if any(r.status == "rewritten" for r in rows):

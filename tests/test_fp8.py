@@ -136,6 +136,15 @@ def col_parallel_gather_read_twice(x, w, group):
     return torch._scaled_mm(gq, wq.t(), sg, sw, out_dtype=torch.bfloat16) + g @ w.t()
 
 
+def fp8_mlp_seq(x, w1, w2, group):
+    """``fp8_mlp`` on (batch, sequence, dim) activations sharded along the sequence (SP's
+    layout): the gathers run along dim 1, and the float8 linears flatten the rows first."""
+    xg = funcol.all_gather_tensor_autograd(x, 1, group)
+    h = Float8Linear.apply(xg.reshape(-1, xg.shape[-1]), w1)
+    z = Float8Linear.apply(torch.nn.functional.silu(h), w2).view(*xg.shape[:-1], -1)
+    return funcol.reduce_scatter_tensor_autograd(z, "sum", 1, group)
+
+
 PROGRAMS = {
     "rs_tensorwise": lambda x, w, grp: row_parallel(x, w, grp, False),
     "rs_rowwise": lambda x, w, grp: row_parallel(x, w, grp, True),
@@ -233,7 +242,7 @@ TRAIN_EXPECTED = [
 ]
 
 
-def check_fp8_training(inner: str, chunks: int):
+def check_fp8_training(inner: str, chunks: int, seq: bool = False):
     """Job: one training step of ``fp8_mlp`` compiled with strategy "decompose", against the
     same step uncompiled (inner eager) or compiled by inductor alone (inner inductor: its
     float8 casts round a few elements differently from eager's, the same with or without
@@ -244,12 +253,13 @@ def check_fp8_training(inner: str, chunks: int):
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(100 + rank)
     params = [
-        torch.randn(16, 64, generator=g),  # this rank's rows
+        torch.randn(*((2, 8) if seq else (16,)), 64, generator=g),  # this rank's rows
         torch.randn(32, 64, generator=torch.Generator().manual_seed(7)),  # w1, column-parallel
         torch.randn(64, 32, generator=torch.Generator().manual_seed(9)),  # w2, row-parallel
     ]
     params = [p.to(torch.bfloat16).requires_grad_() for p in params]
-    weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))  # the output's rows
+    weight = torch.randn(params[0].shape, generator=torch.Generator().manual_seed(3))  # the output's rows
+    program = fp8_mlp_seq if seq else fp8_mlp
 
     def step(fn):
         for p in params:
@@ -258,10 +268,10 @@ def check_fp8_training(inner: str, chunks: int):
         (out.float() * weight).sum().backward()
         return {"out": out.detach(), **{f"grad{i}": p.grad.clone() for i, p in enumerate(params)}}
 
-    want = step(fp8_mlp if inner == "eager" else torch.compile(fp8_mlp, backend="inductor"))
+    want = step(program if inner == "eager" else torch.compile(program, backend="inductor"))
     overlapc.reset_report()
     opts = {"strategy": "decompose", "chunks": chunks, "inner": inner}
-    got = step(torch.compile(fp8_mlp, backend="overlapc", options=opts))
+    got = step(torch.compile(program, backend="overlapc", options=opts))
 
     def tol(ref):
         # world 2: a reduce-scatter sums two partials, the same in either order: bit for bit.
@@ -273,7 +283,9 @@ def check_fp8_training(inner: str, chunks: int):
 
 
 def check_training_all(inner: str):
-    return {c: check_fp8_training(inner, c) for c in ((2, 3) if inner == "eager" else (3,))}
+    out = {c: check_fp8_training(inner, c) for c in ((2, 3) if inner == "eager" else (3,))}
+    out["seq"] = check_fp8_training(inner, 2, seq=True)  # gathered along the sequence
+    return out
 
 
 @pytest.mark.distributed
