@@ -137,7 +137,7 @@ def row_uses(site: AllGatherMatmulSite) -> list[Use]:
     for u in site.uses:
         if u.side != "lhs" or u.role != "rows" or u.matmul.target not in ROW_MATMULS:
             continue
-        if not all(p.target in ops.RESHAPES or ops.is_identity(p) or ops.is_full_slice(p) for p in u.path):
+        if not _through_layout(u):
             continue
         operand = static_shape(u.matmul.args[u.arg])
         if gshape is None or operand is None or len(operand) != 2 or operand[-1] != gshape[-1]:
@@ -146,6 +146,11 @@ def row_uses(site: AllGatherMatmulSite) -> list[Use]:
             continue
         out.append(u)
     return out
+
+
+def _through_layout(u: Use) -> bool:
+    """The gathered tensor reaches ``u``'s operand through reshapes, identities and full slices."""
+    return all(p.target in ops.RESHAPES or ops.is_identity(p) or ops.is_full_slice(p) for p in u.path)
 
 
 def contraction_uses(site: AllGatherMatmulSite) -> list[Use]:
@@ -159,7 +164,7 @@ def contraction_uses(site: AllGatherMatmulSite) -> list[Use]:
     for u in site.uses:
         if u.side != "rhs" or u.role != "contraction" or u.matmul.target is not ops.aten.mm.default:
             continue
-        if not all(p.target in ops.RESHAPES or ops.is_identity(p) or ops.is_full_slice(p) for p in u.path):
+        if not _through_layout(u):
             continue
         operand, lhs = static_shape(u.matmul.args[u.arg]), static_shape(u.matmul.args[0])
         if operand is None or len(operand) != 2 or operand[-1] != gshape[-1] or lhs is None or lhs[-1] != operand[0]:
@@ -179,9 +184,11 @@ def row_args(site: AllGatherMatmulSite, u: Use) -> list[int] | None:
     found = []
     if m.target is ops.aten.addmm.default:
         bias = static_shape(m.args[0])
-        if bias is None or (math.prod(bias) != out[-1] and bias != out):
+        if bias is None:
             return None
-        if bias == out and math.prod(bias) != out[-1]:
+        if math.prod(bias) != out[-1]:  # not one row broadcast: the output's rows, or refused
+            if bias != out:
+                return None
             found.append(0)
     elif m.target is ops.SCALED_MM and ops.scale_kind(m) != "tensor":
         if ops.scale_kind(m) != "row":

@@ -109,11 +109,6 @@ class _Region:
         return self.key[2]
 
 
-def _nbytes(node: Node) -> int:
-    v = ops.val(node)
-    return v.numel() * v.element_size()
-
-
 def _seed(node: Node) -> tuple | None:
     """(key, shape) when ``node`` is the wait of a sum all-reduce over rows that split."""
     if node.target is not ops.WAIT or not isinstance(node.args[0], Node):
@@ -311,9 +306,9 @@ def _bytes(region: _Region) -> tuple[int, int]:
     """(wire bytes per rank before, after): an all-reduce moves 2(W-1)/W of its bytes, a
     reduce-scatter or an all-gather (W-1)/W of its whole tensor's."""
     w = region.world
-    seeds = sum(_nbytes(s.args[0].args[0]) for s in region.seeds)
-    exits = sum(_nbytes(b) for b in region.exits)
-    partial = sum(_nbytes(p) for p in region.partials)
+    seeds = sum(ops.nbytes(s.args[0].args[0]) for s in region.seeds)
+    exits = sum(ops.nbytes(b) for b in region.exits)
+    partial = sum(ops.nbytes(p) for p in region.partials)
     before = 2 * seeds * (w - 1) // w
     after = (seeds + exits + 2 * partial) * (w - 1) // w
     return before, after
@@ -478,7 +473,7 @@ def auto_sequence_parallel(
             collective_op="all_reduce",
             module=module,
             dtype=ops.dtype_name(ops.val(first)),
-            comm_bytes=sum(_nbytes(s.args[0].args[0]) for s in region.seeds),
+            comm_bytes=sum(ops.nbytes(s.args[0].args[0]) for s in region.seeds),
             shapes={"input": static_shape(first.args[0]), "output": static_shape(first.args[0])},
             details={
                 "all_reduces": len(region.seeds),

@@ -33,6 +33,7 @@ is left as it is and reported with the reason.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch.fx import Graph, Node
@@ -45,6 +46,7 @@ from . import ops
 from .axis import static_shape
 from .build import Builder
 from .normalize import erase_collective, remove_dead_nodes, split_cat_gather
+from .sites import Loose
 
 aten = torch.ops.aten
 CONVERT = torch.ops.prims.convert_element_type.default  # a cast in eager and inductor graphs alike
@@ -200,9 +202,8 @@ def _rewrite(ag: Node, wait: Node, plan: _Plan, dim: int) -> None:
         args, kwargs = map_arg((node.args, node.kwargs), lambda a: local.get(a, a))
         return b.call(node.target, *args, **kwargs)
 
-    for node in list(_after(plan.wait)):
-        if node not in plan.maxes and node not in plan.region:
-            continue
+    inside = set(plan.region) | set(plan.maxes)
+    for node in ops.in_graph_order(plan.region + plan.maxes):
         b = Builder(graph, like=node)
         with graph.inserting_before(node):
             if node in plan.maxes:
@@ -221,7 +222,6 @@ def _rewrite(ag: Node, wait: Node, plan: _Plan, dim: int) -> None:
                 gathered = b.call(aten.view.dtype, done, dtype) if dtype in FP8 else done
                 if static_shape(gathered) != static_shape(node):  # the shard kept its own layout
                     gathered = b.reshape(gathered, static_shape(node))
-                inside = set(plan.region) | set(plan.maxes)
                 node.replace_all_uses_with(gathered, delete_user_cb=lambda u: u not in inside)
     for node in reversed(plan.region):
         if not node.users:
@@ -254,7 +254,7 @@ def quantize_before_gather(graph: Graph, graph_kind: str, options: Options) -> l
         if options.for_site(row.name)["strategy"] == "none":
             row.status, row.reason = "skipped", "strategy 'none'"
         else:
-            after = sum(_nbytes(n) for n in plan.exits) // ops.world_size(ag)
+            after = sum(ops.nbytes(n) for n in plan.exits) // ops.world_size(ag)
             row.details["wire_bytes"] = {"before": row.comm_bytes, "after": after}  # this rank's shard
             _rewrite(ag, wait, plan, dim)
             row.status, row.strategy = "rewritten", "quantize_before_gather"
@@ -264,30 +264,12 @@ def quantize_before_gather(graph: Graph, graph_kind: str, options: Options) -> l
     return rows
 
 
-def _nbytes(node: Node) -> int | None:
-    v = ops.val(node)
-    return None if v is None else v.numel() * v.element_size()
-
-
 def _row(ag: Node, wait: Node, graph_kind: str, status: str, reason: str | None, seen: dict) -> Site:
-    """A report row; ``seen`` counts names so far, so that a module's second gather is "#2"."""
+    """A report row: the gather's own (as a loose collective's), under this pattern's name;
+    ``seen`` counts names so far, so that a module's second gather is "#2"."""
     module = ops.module_path(ag.args[0]) or ops.module_path(wait)
-    v = ops.val(wait)
     base = f"{graph_kind}:{module or ag.name}:{PATTERN}"
     seen[base] = seen.get(base, 0) + 1
-    return Site(
-        name=base if seen[base] == 1 else f"{base}#{seen[base]}",
-        pattern=PATTERN,
-        graph=graph_kind,
-        status=status,
-        reason=reason,
-        group=ops.group_name(ag),
-        world_size=ops.world_size(ag),
-        collective=ag.name,
-        collective_op="all_gather",
-        module=module,
-        dtype=ops.dtype_name(v),
-        comm_bytes=_nbytes(ag.args[0]),
-        shapes={"input": static_shape(ag.args[0]), "output": static_shape(wait)},
-        details={},
-    )
+    name = base if seen[base] == 1 else f"{base}#{seen[base]}"
+    row = Loose(ag, reason or "", name, graph_kind).to_report()
+    return replace(row, pattern=PATTERN, status=status, reason=reason, module=module, comm_bytes=ops.nbytes(ag.args[0]))

@@ -229,6 +229,12 @@ def val(node) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
+def nbytes(node) -> int | None:
+    """Bytes of a node's value (None where it has none)."""
+    v = val(node)
+    return None if v is None else v.numel() * v.element_size()
+
+
 def shape(node) -> list | None:
     v = val(node)
     return list(v.shape) if v is not None else None
