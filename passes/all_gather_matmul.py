@@ -312,7 +312,7 @@ def rewrite_all_gather_matmul(site: AllGatherMatmulSite, chunks: int) -> None:
                 outs.append(b.view(y, [world, n, ops.shape(y)[-1]]))
             whole = b.reshape(assemble(outs, ops.shape(mm)[-1]), ops.shape(mm))
             # A later reduce-scatter with the same row layout reads these chunks directly.
-            whole.meta[ROW_CHUNKS] = RowChunks(layout, ys)
+            whole.meta[ROW_CHUNKS] = RowChunks(layout, ys, site.name)
             mm.replace_all_uses_with(whole)
         for u in sums:
             chunks_for(u)  # the ranges' casts, beside the gathers

@@ -165,6 +165,7 @@ def rewrite_matmul_reduce_scatter(site: MatmulReduceScatterSite, chunks: int) ->
 
     sizes = chunk_sizes(rows, chunks)
     layout = row_layout(world, d, shape, sizes)
+    sources: set[str] = set()
     with graph.inserting_before(site.coll):
         off = 0
         for c, n in enumerate(sizes):
@@ -177,7 +178,7 @@ def rewrite_matmul_reduce_scatter(site: MatmulReduceScatterSite, chunks: int) ->
                 # (AG -> mm -> row-wise ops -> mm -> RS, as in an MLP) are read from those
                 # chunks: this chunk's GEMM and reduce-scatter then wait only for its own
                 # gathered range, and the scatter overlaps the remaining ranges' GEMMs.
-                chained = chained_rows(b, a, layout, c, plain)
+                chained = chained_rows(b, a, layout, c, plain, sources)
                 return chained if chained is not None else plain(a)
 
             yc = chunk_rows(b, y, site.producer, select)
@@ -188,5 +189,7 @@ def rewrite_matmul_reduce_scatter(site: MatmulReduceScatterSite, chunks: int) ->
     # A later all-gather whose shard is computed from these rows by row-wise ops (residual
     # add, norm) reads them chunk by chunk (rows.local_row_chunks).
     out.meta[LOCAL_ROWS] = LocalRows(sizes, waits, site.name)
+    if sources:  # the all-gather sites whose chunks feed this one's, chunk by chunk
+        site.details["rows_from"] = sorted(sources)
     site.wait.replace_all_uses_with(out)
     erase_collective(site.coll, site.wait)

@@ -13,6 +13,8 @@ same order per row::
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import operator
 from collections.abc import Callable
@@ -120,19 +122,45 @@ class RowChunks:
     slicing the whole tensor, and its chunk c no longer waits for the other chunks.
     """
 
-    def __init__(self, layout: tuple, pieces: list[Node]):
-        self.layout, self.pieces = layout, list(pieces)
+    def __init__(self, layout: tuple, pieces: list[Node], site: str = ""):
+        self.layout, self.pieces, self.site = layout, list(pieces), site
 
 
 def row_layout(world: int, dim: int, shape: list[int], chunks_sizes: list[int]) -> tuple:
     return (world, dim, tuple(shape[:-1]), tuple(chunks_sizes))
 
 
-def chained_rows(b: Builder, root: Node, layout: tuple, c: int, plain: Callable[[Node], Node]) -> Node | None:
+@functools.lru_cache(maxsize=256)
+def chunk_rows_of(layout: tuple) -> tuple[tuple[int, ...], ...]:
+    """Per chunk, the rows of the (rows, N) tensor that a ``layout`` (see RowChunks) puts in
+    that chunk's piece, in the piece's order. Two layouts can describe the same pieces: an
+    all-gather along the sequence of (1, S, N) is recorded as its (W, S / W) rank-major form,
+    a reduce-scatter of it along dim 1 of (1, S); with batch 1 both are rank-major rows."""
+    world, dim, prefix, sizes = layout
+    outer, inner, s = math.prod(prefix[:dim]), math.prod(prefix[dim + 1 :]), prefix[dim] // world
+    shards = [
+        [(o * prefix[dim] + k * s + t) * inner + i for o in range(outer) for t in range(s) for i in range(inner)]
+        for k in range(world)
+    ]
+    bounds = [0, *itertools.accumulate(sizes)]
+    return tuple(tuple(r for sh in shards for r in sh[lo:hi]) for lo, hi in zip(bounds, bounds[1:]))
+
+
+def same_rows(a: tuple, b: tuple) -> bool:
+    """Whether two row layouts put the same rows, in the same order, in every chunk."""
+    return a == b or (
+        math.prod(a[2]) == math.prod(b[2]) and len(a[3]) == len(b[3]) and chunk_rows_of(a) == chunk_rows_of(b)
+    )
+
+
+def chained_rows(
+    b: Builder, root: Node, layout: tuple, c: int, plain: Callable[[Node], Node], sources: set | None = None
+) -> Node | None:
     """Chunk ``c`` of ``root``'s rows (as (world * n_c, N)) built from row-chunked GEMM
-    results (RowChunks of the same layout) through row-wise ops: views that keep the last
-    dim and pointwise ops whose tensor operands all have the result's shape. Operands that
-    reach no chunked result are sliced with ``plain``. None when ``root`` reaches none."""
+    results (RowChunks with the same rows per chunk: :func:`same_rows`) through row-wise ops:
+    views that keep the last dim and pointwise ops whose tensor operands all have the result's
+    shape. Operands that reach no chunked result are sliced with ``plain``. None when ``root``
+    reaches none. The sites whose chunks it read are added to ``sources``."""
     rows = math.prod(layout[2])
     reach: dict[Node, bool] = {}
 
@@ -143,7 +171,7 @@ def chained_rows(b: Builder, root: Node, layout: tuple, c: int, plain: Callable[
             reach[n] = False  # cycles cannot happen in a DAG; this only guards re-entry
             info = n.meta.get(ROW_CHUNKS)
             if info is not None:
-                reach[n] = info.layout == layout
+                reach[n] = same_rows(info.layout, layout)
             else:
                 shape = static_shape(n)
                 if not shape or _rows_of(shape) != rows:
@@ -164,6 +192,8 @@ def chained_rows(b: Builder, root: Node, layout: tuple, c: int, plain: Callable[
         info = n.meta.get(ROW_CHUNKS)
         if info is not None:
             out = info.pieces[c]
+            if sources is not None and info.site:
+                sources.add(info.site)
         elif n.target in ops.RESHAPES:
             out = ev(n.args[0])
         else:

@@ -119,8 +119,19 @@ def rs_norm_ag(xs, ws, dim, group, norm="rms"):
     return F.linear(g, w1), h
 
 
+def mlp(xs, ws, dim, group):
+    """A SwiGLU MLP under SP: AG -> w1, w3 -> SiLU * mul -> w2 -> RS. Where the gathered rows of
+    chunk c are the rows the reduce-scatter's chunk c needs (a batch of one along the sequence,
+    or dim 0), w2's chunk c is computed from w1/w3's chunk c: one pipeline through the MLP."""
+    w1, w3, w2 = ws
+    g = funcol.all_gather_tensor_autograd(xs[0], gather_dim=dim, group=group)
+    h = F.silu(F.linear(g, w1)) * F.linear(g, w3)
+    return (funcol.reduce_scatter_tensor_autograd(F.linear(h, w2), "sum", scatter_dim=dim, group=group),)
+
+
 PROGRAMS = {
     "ag_mm": ag_mm,
+    "mlp": mlp,
     "mm_rs": mm_rs,
     "mm_ar": mm_ar,
     "col_ar": col_ar,
@@ -137,6 +148,12 @@ EXPECT = {
     "col_ar": {("backward", "all_reduce_sum"), ("backward", "matmul_all_reduce")},
     "par_ar": {("forward", "all_reduce_sum"), ("forward", "matmul_all_reduce")},
     "ag_wgrad": {("forward", "all_gather_matmul")},
+    "mlp": {
+        ("forward", "all_gather_matmul"),
+        ("forward", "matmul_reduce_scatter"),
+        ("backward", "all_gather_matmul"),
+        ("backward", "matmul_reduce_scatter"),
+    },
     "rs_norm_ag": {
         ("forward", "matmul_reduce_scatter"),
         ("forward", "all_gather_matmul"),
@@ -169,6 +186,11 @@ def make_inputs(case, world, rank):
             ws.append(0.1 * torch.randn(k, generator=gw))
         xs = [torch.randn(full, generator=g), torch.randn(shape, generator=g)]
         return [x.to(dtype) for x in xs], [w.to(dtype) for w in ws]
+    if prog == "mlp":
+        gw = torch.Generator().manual_seed(7)
+        ws = [torch.randn(n, k, generator=gw) / math.sqrt(k) for _ in range(2)]
+        ws.append(torch.randn(k, n, generator=gw) / math.sqrt(n))
+        return [torch.randn(shape, generator=g).to(dtype)], [w.to(dtype) for w in ws]
     if prog == "ag_wgrad":
         rows = math.prod(shape[:-1]) * world
         w = torch.randn(n, rows, generator=torch.Generator().manual_seed(7)) / math.sqrt(rows)
@@ -215,9 +237,12 @@ def run_case(case) -> dict:
     rewritten = {(s.graph, s.pattern) for s in be.report.sites if s.status == "rewritten"}
     missing = expected(case) - rewritten
     assert not missing, f"{case}: not rewritten: {missing}\n{be.report}"
-    if case["program"] == "rs_norm_ag":  # each gather reads the reduce-scatter's chunks
+    if case["program"] == "rs_norm_ag" or case.get("chained"):  # chunks read chunk by chunk
         chained = {s.graph for s in be.report.sites if s.details.get("rows_from") and s.status == "rewritten"}
         assert chained == {"forward", "backward"}, f"{case}: chained in {chained}\n{be.report}"
+    if case["program"] == "mlp" and case.get("chained"):  # w2's reduce-scatter reads w1/w3's chunks
+        fw = [s for s in be.report.sites if s.graph == "forward" and s.pattern == "matmul_reduce_scatter"]
+        assert fw and all(s.details.get("rows_from") for s in fw), f"{case}: MLP not chained\n{be.report}"
     err = 0.0
     for i, (a, b) in enumerate(zip(out + grads, ref_out + ref_grads)):
         what = f"rank {rank} {case} {'output' if i < len(out) else 'grad'} {i}"
@@ -256,6 +281,11 @@ def matrix(world: int) -> list[dict]:
         for norm in ("rms", "ln"):
             case = dict(program="rs_norm_ag", shape=(2, 8, 16), dim=1, n_mm=1, n=24, chunks=world, dtype=dtype)
             cases.append({**case, "norm": norm})
+        # one pipeline through a SwiGLU MLP: gathered along dim 0, and along the sequence with a
+        # batch of one (the same rows per chunk); with a batch of two the rows differ (no chain)
+        for shape, dim, chained in [((8, 16), 0, True), ((1, 8, 16), 1, True), ((2, 8, 16), 1, False)]:
+            case = dict(program="mlp", shape=shape, dim=dim, n_mm=1, n=24, chunks=world, dtype=dtype)
+            cases.append({**case, "chained": chained})
         # a sum over the gathered rows (weight gradient), gathered along dim 0 and the sequence
         for shape, dim in [((8, 16), 0), ((2, 8, 16), 1)]:
             cases.append(dict(program="ag_wgrad", shape=shape, dim=dim, n_mm=1, n=24, chunks=world, dtype=dtype))
