@@ -581,10 +581,34 @@ def reorder_scheduler_nodes(nodes: list) -> list:
     early = {n for n in nodes if getattr(n, "node", None) is not None and is_collective(n.node) and not is_wait(n.node)}
     late = {n for n in nodes if getattr(n, "node", None) is not None and is_wait(n.node)}
     try:
-        return list_schedule(nodes, preds, early, late, collectives=early)
+        return list_schedule(nodes, preds, early, late, collectives=early, timing=_timing(nodes, preds, early, late))
     except RuntimeError as e:  # an FX scheduling edge that inductor's fusion turned into a cycle
         log.warning("overlapc: kept inductor's node order (%s)", e)
         return nodes
+
+
+def _timing(nodes: list, preds: dict, early: set, late: set):
+    """The FX schedule's estimates (passes/schedule.estimate) carried to inductor's scheduler
+    nodes through their origins: a node's seconds are its origins'. None where the FX graph
+    had none, or a collective's origin lost them."""
+    from overlapc.passes import ops
+    from overlapc.passes.schedule import EST_KEY, Timing
+
+    tm = Timing()
+    for n in nodes:
+        origins = _origins(n)
+        if n in early:
+            colls = [o for o in origins if ops.is_collective(o) and EST_KEY in o.meta]
+            if not colls:
+                return None
+            tm.wire[n] = ops.group_name(colls[0])
+        elif n in late:
+            waited = [p for p in preds[n] if p in early]
+            if waited:
+                tm.waited[n] = waited[0]
+            continue
+        tm.seconds[n] = sum(o.meta.get(EST_KEY, 0.0) for o in origins)
+    return tm if tm.wire else None
 
 
 def _brief(opts: Options) -> str:

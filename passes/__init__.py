@@ -48,7 +48,7 @@ def optimize(gm: GraphModule, graph_kind: str, options: Options | None = None, j
     as_all_to_all = lower_collectives(gm.graph, options)
     if (rewritten or slicing.sliced) and options.addmm_partials:
         fold_partial_sums(gm.graph)
-    reordered = options.schedule and schedule(gm.graph, options.lanes)
+    reordered = options.schedule and schedule(gm.graph, options.lanes, profile)
     # Tells the inductor inner compiler to keep this order through its own scheduler.
     gm.meta["overlapc_changed"] = bool(rewritten or reordered or slicing.sliced or as_all_to_all)
     rows = [s.to_report() for s in sites] + [c.to_report() for c in loose]

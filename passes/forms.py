@@ -61,6 +61,10 @@ PIECE_BYTES = 32 << 10
 MAX_PIECES = 16
 LOWERED_BACKENDS = ("gloo",)
 """Backends whose reduce-scatter is an all-reduce underneath and whose all-gather stalls."""
+PRICED_AS = "overlapc_priced_as"
+"""node.meta key of an all-to-all this lowering issued: (the kind it stands for, that collective's
+bytes per rank, the pieces it was cut into). The live group timed the lowered collective whole,
+under its kind (overlapc/runtime/live.py), so a piece is priced as that share of it."""
 OPTION = {ops.REDUCE_SCATTER: "reduce_scatter", ops.ALL_GATHER: "all_gather"}
 """The option that says how each lowered kind runs."""
 VERDICT: dict[tuple, str] = {}
@@ -160,8 +164,11 @@ def lower_collectives(graph: Graph, options: Options) -> dict:
     return done
 
 
-def _issue(b: Builder, sends: list[Node], rows: int, world: int, group) -> list[Node]:
-    return [b.call(ops.ALL_TO_ALL, t, [rows] * world, [rows] * world, group) for t in sends]
+def _issue(b: Builder, sends: list[Node], rows: int, world: int, group, priced: tuple) -> list[Node]:
+    a2as = [b.call(ops.ALL_TO_ALL, t, [rows] * world, [rows] * world, group) for t in sends]
+    for a in a2as:
+        a.meta[PRICED_AS] = (*priced, len(a2as))
+    return a2as
 
 
 def _waits(b: Builder, a2as: list[Node], wait: Node) -> list[Node]:
@@ -191,7 +198,7 @@ def _lower_reduce_scatter(graph: Graph, rs: Node, whole: bool) -> None:
         else:  # piece p: columns [bounds[p], bounds[p + 1]) of every rank's block
             blocks = b.reshape(x, [world, block])
             sends = [b.contiguous(b.slice(blocks, 1, lo, hi)) for lo, hi in zip(bounds, bounds[1:])]
-        a2as = _issue(b, sends, 1 if k > 1 else shape[0] // world, world, group)
+        a2as = _issue(b, sends, 1 if k > 1 else shape[0] // world, world, group, ("reduce_scatter", ops.nbytes(x)))
     with graph.inserting_before(wait):
         parts = [
             b.call(ops.aten.sum.dim_IntList, b.view(got, [world, hi - lo]), [0])
@@ -219,7 +226,7 @@ def _lower_all_gather(graph: Graph, ag: Node, whole: bool) -> None:
             b.contiguous(b.call(ops.aten.expand.default, b.slice(flat, 1, lo, hi), [world, hi - lo]))
             for lo, hi in zip(bounds, bounds[1:])
         ]
-        a2as = _issue(b, sends, 1, world, group)
+        a2as = _issue(b, sends, 1, world, group, ("all_gather", ops.nbytes(x)))
     with graph.inserting_before(wait):
         got = [b.view(g, [world, hi - lo]) for g, lo, hi in zip(_waits(b, a2as, wait), bounds, bounds[1:])]
         out = b.view(got[0] if k == 1 else b.cat(got, 1), [shape[0] * world, *shape[1:]])

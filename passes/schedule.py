@@ -14,6 +14,14 @@ topological order; among the ready nodes it prefers
 Communication then hides under whatever independent compute the graph has: the next
 chunk's GEMM in a decomposed site, or, in backward, the weight-gradient GEMMs.
 
+Where the plan's profile has measured times for every collective of the graph, the order
+also follows estimated time (:class:`Timing`): compute that feeds no collective (weight
+gradients) is spent only while a collective is estimated on the wire. Without that, every
+ready weight gradient runs under the first collective after it, and the next one (in a
+backward: the all-gather of the following layer's output gradient, or the embedding's) finds
+nothing left to hide under. Held items wait at most until the collective after the one they
+preceded is issued (bounded memory, as above).
+
 Nodes with side effects (in-place updates of inputs, RNG state) are barriers: nothing
 moves across them. Placeholders stay first and the output last. The result is a
 topological order of the same nodes, so the same on every rank.
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import heapq
 import operator
+from dataclasses import dataclass, field
 
 import networkx as nx
 from torch.fx import Graph, Node
@@ -30,6 +39,7 @@ from torch.fx import Graph, Node
 from overlapc.runtime import lanes as lanes_mod
 
 from . import ops
+from .forms import PRICED_AS
 
 CHEAP = ops.LAYOUT_OPS | {
     ops.aten.slice.Tensor,
@@ -104,7 +114,22 @@ def _waiters(dag: nx.DiGraph, waits: list[Node]) -> set[Node]:
     return out
 
 
-def list_schedule(items: list, preds: dict, early: set, late: set, collectives: set | None = None) -> list:
+@dataclass
+class Timing:
+    """Estimated seconds of the items :func:`list_schedule` places, for time-aware placement of
+    compute that feeds no collective."""
+
+    seconds: dict = field(default_factory=dict)
+    """item -> seconds: a compute item's run time, a collective's time on the wire (absent: 0)."""
+    wire: dict = field(default_factory=dict)
+    """collective item -> the wire it is sent on (its process group): one at a time on each."""
+    waited: dict = field(default_factory=dict)
+    """wait item -> the collective item it completes."""
+
+
+def list_schedule(
+    items: list, preds: dict, early: set, late: set, collectives: set | None = None, timing: Timing | None = None
+) -> list:
     """Topological order of ``items`` (given in their current order) that emits ``early``
     items as soon as they are ready, ``late`` items only when nothing else is ready (the
     one needed soonest first), and everything else in its current order.
@@ -115,6 +140,13 @@ def list_schedule(items: list, preds: dict, early: set, late: set, collectives: 
     before weight-gradient GEMMs, which then run while the reduce-scatter is on the wire).
     Compute that feeds no collective is deferred at most to the next collective it
     preceded, never to the end of the graph.
+
+    With ``timing`` (and ``collectives``), such compute is held back while no collective is
+    estimated in flight and a wait or comm-feeding compute is ready instead, so it is left for
+    the next collective to hide under; it is due (no longer held) once the collective after the
+    one it preceded is issued. The order of the collectives themselves does not depend on
+    ``timing``: it only decides between that compute and waits, which feed no collective issue
+    ahead of the compute that does.
 
     ``preds[i]`` lists the items ``i`` depends on. Shared by the FX-level schedule and the
     inductor scheduler-node hook (overlapc.compiler), so both place comm the same way.
@@ -128,6 +160,10 @@ def list_schedule(items: list, preds: dict, early: set, late: set, collectives: 
         for p in ps:
             succs[p].append(n)
     key = {n: (pos[n], 0) for n in items}
+    first: dict = {}
+    # following[p]: position of the collective after the one at position p (in the current order)
+    coll_pos = sorted(pos[n] for n in collectives or ())
+    following = {p: q for p, q in zip(coll_pos, coll_pos[1:] + [len(items)])}
     if collectives:
         # first[n]: position of the first collective n (transitively) feeds; items are in
         # a topological order, so one reverse pass suffices. An item that feeds none is
@@ -137,7 +173,7 @@ def list_schedule(items: list, preds: dict, early: set, late: set, collectives: 
         # its own layer's input-gradient GEMMs and no further (activation memory stays
         # bounded by one layer).
         inf = len(items)
-        first, nxt = {}, inf
+        nxt = inf
         # Scheduling edges (ISSUE_AFTER) may point forward in the current order: walk a
         # topological order of ``preds`` (the current one where it is already one).
         forward = all(pos[p] < pos[n] for n in items for p in preds.get(n, ()) if p in pos and p is not n)
@@ -148,7 +184,11 @@ def list_schedule(items: list, preds: dict, early: set, late: set, collectives: 
             f = min([pos[n] if n in collectives else inf] + [first[u] for u in succs[n]])
             first[n] = f
             key[n] = (f, 0) if f < inf else (nxt, 1)
-    # When a late item is needed: the earliest position of a non-late item it feeds.
+    # When a late item is needed: the earliest position of a non-late item it feeds. Among
+    # late items, those that lead to a collective go first, the earliest collective first: a
+    # chain's next collective (reduce-scatter chunk c -> residual and norm of its rows ->
+    # all-gather chunk c) is issued as soon as its chunk has arrived, not behind the waits
+    # of chunks a whole-tensor user (the residual stream) needs first in the captured order.
     need: dict = {}
     for n in reversed(items):
         if n in late:
@@ -159,18 +199,39 @@ def list_schedule(items: list, preds: dict, early: set, late: set, collectives: 
         if n in early:
             heapq.heappush(ready_early, (pos[n], n))
         elif n in late:
-            heapq.heappush(ready_late, (need[n], pos[n], n))
+            heapq.heappush(ready_late, (first.get(n, len(items)), need[n], pos[n], n))
         else:
             heapq.heappush(ready_mid, (*key[n], pos[n], n))
 
     for n in items:
         if indeg[n] == 0:
             push(n)
+    clock = _Clock(timing) if timing is not None and collectives else None
+    issued: set[int] = set()
+
+    def held(entry) -> bool:
+        """Compute that feeds no collective, not yet due, with nothing on the wire to hide under."""
+        f, deferred, *_ = entry
+        return deferred == 1 and following.get(f, len(items)) not in issued and not clock.in_flight()
+
     order = []
     while ready_early or ready_mid or ready_late:
         q = ready_early or ready_mid or ready_late
-        n = heapq.heappop(q)[-1]
+        if q is ready_mid and clock is not None and held(ready_mid[0]):
+            busy = [e for e in ready_mid if e[1] == 0]
+            if busy:  # compute that leads to a collective: gets the wire going
+                ready_mid.remove(e := min(busy))
+                heapq.heapify(ready_mid)
+                n = e[-1]
+            else:
+                n = heapq.heappop(ready_late or ready_mid)[-1]
+        else:
+            n = heapq.heappop(q)[-1]
         order.append(n)
+        if collectives and n in collectives:
+            issued.add(pos[n])
+        if clock is not None:
+            clock.run(n)
         for u in succs[n]:
             indeg[u] -= 1
             if indeg[u] == 0:
@@ -178,6 +239,28 @@ def list_schedule(items: list, preds: dict, early: set, late: set, collectives: 
     if len(order) != len(items):
         raise RuntimeError("overlapc: the dependency graph has a cycle; refusing to reorder it")
     return order
+
+
+class _Clock:
+    """One compute thread and one wire per process group, advanced item by item in the order
+    being built: a collective starts when it is issued and its wire is free; a wait ends when
+    its collective does."""
+
+    def __init__(self, timing: Timing):
+        self.timing, self.now, self.free, self.done = timing, 0.0, {}, {}
+
+    def in_flight(self) -> bool:
+        return any(t > self.now for t in self.free.values())
+
+    def run(self, n) -> None:
+        tm = self.timing
+        if n in tm.wire:
+            g = tm.wire[n]
+            self.free[g] = self.done[n] = max(self.now, self.free.get(g, 0.0)) + tm.seconds.get(n, 0.0)
+        elif n in tm.waited:
+            self.now = max(self.now, self.done.get(tm.waited[n], self.now))
+        else:
+            self.now += tm.seconds.get(n, 0.0)
 
 
 # Backends on which at most one all-gather per group may be in flight. gloo (torch 2.13,
@@ -300,9 +383,91 @@ def _laned_groups(nodes: list[Node]) -> set[str]:
     return {g for g, (others, gathers) in count.items() if gathers and gathers + others > 1}
 
 
-def schedule(graph: Graph, lanes: int = 0) -> bool:
-    """Reorder ``graph`` in place (``lanes``: see :func:`serialize_collectives`). Returns
-    whether the order or a collective's group changed."""
+TRUSTED = ("measured", "cached", "profile")
+"""Where a collective's time must come from for the schedule to place compute by it: a
+measurement (the live group's, or the profile's curve). A modelled link time can be off by
+more than the compute it would place (a profile of another network); then no compute is held."""
+EST_KEY = "overlapc_est_s"
+"""node.meta key: the estimated seconds :func:`estimate` gave the node (read by the inductor hook)."""
+
+
+def estimate(nodes: list[Node], profile) -> Timing | None:
+    """Estimated seconds per node under ``profile`` (passes/cost.py): GEMMs and attention by
+    their flops at the profile's GEMM rate, other compute by its output's bytes at the local copy
+    rate, collectives by the profile's time for their kind, bytes and group size. None where
+    ``profile`` is None, a collective's time would be modelled rather than measured
+    (:data:`TRUSTED`), or a size is symbolic."""
+    from . import cost
+
+    if profile is None:
+        return None
+    tm = Timing()
+    for n in nodes:
+        if n.op != "call_function" or n.target in CHEAP:
+            continue
+        if ops.is_collective(n):
+            # a reduce-scatter or all-gather sent as all-to-alls is priced as what it stands for
+            kind, size, pieces = n.meta.get(PRICED_AS) or (ops.COST_KIND.get(n.target), _bytes(ops.val(n.args[0])), 1)
+            world = ops.world_size(n)
+            if kind is None or world is None or size is None or profile.numbers_from(kind, world) not in TRUSTED:
+                return None
+            sec = cost.t_comm(kind, size, world, profile) / pieces
+            tm.wire[n] = ops.group_name(n)
+        elif n.target is ops.WAIT:
+            tm.waited[n] = n.args[0]
+            continue
+        else:
+            sec = _compute_seconds(n, profile)
+        if sec is None or not getattr(sec, "is_number", True):
+            return None
+        tm.seconds[n] = float(sec)
+    for n, sec in tm.seconds.items():
+        n.meta[EST_KEY] = sec
+    return tm
+
+
+def _compute_seconds(n: Node, profile):
+    from . import cost
+
+    out = ops.val(n)
+    if ops.is_matmul(n):
+        lhs = ops.val(n.args[ops.MATMULS[n.target][0]])
+        if lhs is None or out is None or None in (k := ops.hint(lhs.shape[-1]), m := ops.hint(out.shape[-2])):
+            return None
+        numel = _numel(out)
+        flops = None if numel is None else 2 * numel * k
+        return None if flops is None else cost.t_gemm(flops, profile.gemm_for(ops.dtype_name(out)), rows=m)
+    if "scaled_dot_product" in str(n.target):
+        q, k = (ops.val(a) for a in n.args[:2])
+        if q is None or k is None or None in (numel := _numel(q), s := ops.hint(k.shape[-2])):
+            return None
+        # QK^T and PV: 4 * batch * heads * L * S * E; the backward recomputes P and runs 4 more GEMMs
+        flops = 4 * numel * s * (3 if "backward" in str(n.target) else 1)
+        return cost.t_gemm(flops, profile.gemm_for(ops.dtype_name(q)))
+    size = _bytes(out)
+    return 0.0 if out is None else None if size is None else size / profile.copy_bw
+
+
+def _numel(v) -> int | None:
+    """Elements of ``v`` (symbolic sizes at their bucket's representative values: ops.hint)."""
+    total = 1
+    for d in v.shape:
+        h = ops.hint(d)
+        if h is None:
+            return None
+        total *= h
+    return total
+
+
+def _bytes(v) -> int | None:
+    numel = None if v is None else _numel(v)
+    return None if numel is None else numel * v.element_size()
+
+
+def schedule(graph: Graph, lanes: int = 0, profile=None) -> bool:
+    """Reorder ``graph`` in place (``lanes``: see :func:`serialize_collectives`; ``profile``: the
+    plan's, whose measured collective times let compute be placed by time, see :func:`estimate`).
+    Returns whether the order or a collective's group changed."""
     nodes = list(graph.nodes)
     colls = [n for n in nodes if ops.is_collective(n)]
     if not colls:
@@ -317,7 +482,9 @@ def schedule(graph: Graph, lanes: int = 0) -> bool:
     by_name = {n.name: n for n in nodes}
     for n in nodes:  # scheduling edges: serialized collectives, deferred sums (passes/all_to_all)
         preds[n].extend(by_name[a] for a in issue_after(n) if a in by_name and by_name[a] is not n)
-    return _apply_order(graph, nodes, list_schedule(nodes, preds, early, late, collectives=set(colls))) or moved
+    timing = estimate(nodes, profile)
+    order = list_schedule(nodes, preds, early, late, collectives=set(colls), timing=timing)
+    return _apply_order(graph, nodes, order) or moved
 
 
 def legalize(graph: Graph) -> bool:

@@ -18,7 +18,7 @@ import overlapc
 from overlapc.explain import capture
 from overlapc.passes import ops
 from overlapc.passes.rows import ancestors
-from overlapc.passes.schedule import ISSUE_AFTER, issue_after, list_schedule, serialize_collectives
+from overlapc.passes.schedule import ISSUE_AFTER, Timing, issue_after, list_schedule, serialize_collectives
 from overlapc.runtime import lanes
 
 CHUNKS = 3
@@ -70,6 +70,130 @@ def test_list_schedule_comm_first_is_bounded():
     assert order.index("dgrad1") < order.index("rs1") < order.index("wgrad1"), order
     assert order.index("wgrad1") < order.index("dgrad0"), "deferral bounded to the next collective"
     assert order.index("dgrad0") < order.index("rs0") < order.index("wgrad0"), order
+
+
+def test_list_schedule_waits_that_feed_comm_first():
+    # Reduce-scatter chunks rs0, rs1; the residual stream (cat) reads both and comes first in
+    # the captured order; norm0 reads chunk 0 and a view of an earlier collective's result
+    # (vx: a late item too) and feeds the next all-gather's chunk 0. The all-gather must go
+    # out once chunk 0 is in, not after every chunk's wait.
+    items = ["ax", "wx", "vx", "rs0", "rs1", "w0", "w1", "cat", "norm0", "ag0", "wag0", "norm1", "ag1", "wag1", "out"]
+    preds = {
+        "wx": ["ax"],
+        "vx": ["wx"],
+        "rs0": ["wx"],
+        "rs1": ["wx"],
+        "w0": ["rs0"],
+        "w1": ["rs1"],
+        "cat": ["w0", "w1"],
+        "norm0": ["w0", "vx"],
+        "ag0": ["norm0"],
+        "wag0": ["ag0"],
+        "norm1": ["w1", "vx"],
+        "ag1": ["norm1"],
+        "wag1": ["ag1"],
+        "out": ["cat", "wag0", "wag1"],
+    }
+    early, late = {"ax", "rs0", "rs1", "ag0", "ag1"}, {"wx", "vx", "w0", "w1", "wag0", "wag1"}
+    order = list_schedule(items, preds, early, late, collectives=early)
+    assert order.index("w0") < order.index("ag0") < order.index("w1"), order
+
+
+def test_list_schedule_keeps_weight_gradients_for_the_next_collective():
+    # A backward's tail: dgrad -> rs, then rs's result -> ag -> its user. Two weight gradients
+    # (feed no collective) are ready when rs is issued. Greedy, both run under rs and the ag
+    # finds nothing to hide under; by estimated time, rs holds one of them and the other is
+    # left for the ag.
+    items = ["g", "dgrad", "rs", "wg1", "wg2", "wait_rs", "ag", "wait_ag", "use", "out"]
+    preds = {
+        "dgrad": ["g"],
+        "rs": ["dgrad"],
+        "wg1": ["g"],
+        "wg2": ["g"],
+        "wait_rs": ["rs"],
+        "ag": ["wait_rs"],
+        "wait_ag": ["ag"],
+        "use": ["wait_ag"],
+        "out": ["use", "wg1", "wg2"],
+    }
+    early, late = {"rs", "ag"}, {"wait_rs", "wait_ag"}
+    greedy = list_schedule(items, preds, early, late, collectives=early)
+    assert greedy.index("wg2") < greedy.index("wait_rs") < greedy.index("ag"), greedy
+
+    def timing(comm: float) -> Timing:
+        return Timing(
+            seconds={"dgrad": 1.0, "wg1": 1.0, "wg2": 1.0, "use": 0.1, "rs": comm, "ag": comm},
+            wire={"rs": "tp", "ag": "tp"},
+            waited={"wait_rs": "rs", "wait_ag": "ag"},
+        )
+
+    order = list_schedule(items, preds, early, late, collectives=early, timing=timing(1.0))
+    assert order.index("rs") < order.index("wg1") < order.index("wait_rs"), order
+    assert order.index("ag") < order.index("wg2") < order.index("wait_ag"), order
+    # collectives issued in the same order whatever the estimates
+    assert [n for n in order if n in early] == [n for n in greedy if n in early]
+    # comm long enough for both under rs: the greedy order
+    assert list_schedule(items, preds, early, late, collectives=early, timing=timing(5.0)) == greedy
+
+
+def test_list_schedule_holds_no_further_than_the_next_collective():
+    # Estimated comm of zero (a link much faster than the estimate's) must not push a weight
+    # gradient to the end: held items are due once the collective after the one they preceded
+    # is issued.
+    items = ["wg", "a", "c1", "w1", "b", "c2", "w2", "d", "c3", "w3", "out"]
+    preds = {
+        "c1": ["a"],
+        "w1": ["c1"],
+        "b": ["w1"],
+        "c2": ["b"],
+        "w2": ["c2"],
+        "d": ["w2"],
+        "c3": ["d"],
+        "w3": ["c3"],
+        "out": ["w3", "wg"],
+    }
+    early, late = {"c1", "c2", "c3"}, {"w1", "w2", "w3"}
+    tm = Timing(
+        seconds={"wg": 1.0, "a": 1.0, "b": 1.0, "d": 1.0},
+        wire={"c1": "g", "c2": "g", "c3": "g"},
+        waited={"w1": "c1", "w2": "c2", "w3": "c3"},
+    )
+    order = list_schedule(items, preds, early, late, collectives=early, timing=tm)
+    assert order.index("c2") < order.index("wg") < order.index("c3"), order
+
+
+def test_estimates_need_measured_collective_times(fake_mesh8):
+    # The profile's link formula alone (no measured curve for the group) places nothing by time.
+    import dataclasses
+
+    from overlapc.passes import cost
+    from overlapc.passes.schedule import estimate
+
+    report, graphs = capture(ag_mm_rs, *_inputs(), options={"strategy": "decompose", "chunks": CHUNKS})
+    ((_, gm),) = graphs
+    nodes = list(gm.graph.nodes)
+    base = cost.load_profile("cpu-default")
+    modelled = dataclasses.replace(base, curves={}, world_curves={})
+    assert estimate(nodes, modelled) is None
+    pts = ((1024, 1e-3), (1 << 20, 1e-1))
+    measured = dataclasses.replace(
+        modelled, world_curves={8: {"all_gather": pts, "reduce_scatter": pts}}, provenance={}
+    )
+    tm = estimate(nodes, measured)
+    assert tm is not None
+    colls = [n for n in nodes if ops.is_collective(n)]
+    assert set(tm.wire) == set(colls) and all(tm.seconds[c] > 0 for c in colls)
+    mms = [n for n in nodes if n.target is ops.aten.mm.default]
+    assert mms and all(tm.seconds[m] > 0 for m in mms)
+    # Sent as all-to-alls (passes/forms.py), each piece is priced as its share of the kind it
+    # stands for: the live group measured that kind, not "all_to_all".
+    lowered = {"strategy": "decompose", "chunks": CHUNKS, "reduce_scatter": "all_to_all", "all_gather": "all_to_all"}
+    _, ((_, gm),) = capture(ag_mm_rs, *_inputs(), options=lowered)
+    nodes = list(gm.graph.nodes)
+    a2as = [n for n in nodes if n.target is ops.ALL_TO_ALL]
+    assert a2as and not any(n.target in (ops.ALL_GATHER, ops.REDUCE_SCATTER) for n in nodes)
+    tm = estimate(nodes, measured)
+    assert tm is not None and all(tm.seconds[a] > 0 for a in a2as)
 
 
 def test_schedule_keeps_the_signature(fake_mesh8):
