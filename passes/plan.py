@@ -172,8 +172,11 @@ def _nbytes(v) -> int:
 def graph_profile(graph, graph_kind: str, options: Options) -> cost.Profile | None:
     """The profile a graph is planned with: ``options.hardware``'s (None: this machine's),
     with the times of the graph's collectives measured on their live groups where
-    ``options.measure`` allows (overlapc/runtime/live.py). None where nothing is planned."""
-    if options.strategy == "none" and not options.overrides:
+    ``options.measure`` allows (overlapc/runtime/live.py). None where nothing is planned:
+    strategy "none" without overrides or micro-batch slices (slices are planned, and their
+    program is scheduled by the measured times: passes/schedule.estimate)."""
+    slices = isinstance(options.microbatches, int) and options.microbatches > 1
+    if options.strategy == "none" and not options.overrides and not slices:
         return None
     from overlapc.runtime import live
 
