@@ -282,8 +282,8 @@ def matrix(world: int) -> list[dict]:
             case = dict(program="rs_norm_ag", shape=(2, 8, 16), dim=1, n_mm=1, n=24, chunks=world, dtype=dtype)
             cases.append({**case, "norm": norm})
         # one pipeline through a SwiGLU MLP: gathered along dim 0, and along the sequence with a
-        # batch of one (the same rows per chunk); with a batch of two the rows differ (no chain)
-        for shape, dim, chained in [((8, 16), 0, True), ((1, 8, 16), 1, True), ((2, 8, 16), 1, False)]:
+        # batch of one (recorded in another form than the reduce-scatter's: the same rows) and two
+        for shape, dim, chained in [((8, 16), 0, True), ((1, 8, 16), 1, True), ((2, 8, 16), 1, True)]:
             case = dict(program="mlp", shape=shape, dim=dim, n_mm=1, n=24, chunks=world, dtype=dtype)
             cases.append({**case, "chained": chained})
         # a sum over the gathered rows (weight gradient), gathered along dim 0 and the sequence

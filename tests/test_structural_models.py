@@ -128,7 +128,17 @@ def test_tp_sp_layer_is_one_chain(fake_mesh8):
                 assert upstream.count(source) == 1, (site, ag.name, source, upstream)
             checked += 1
     # every gather but layer 0's q/k/v (after the embedding) in forward, each in backward
-    assert sum(1 for v in rows_from.values() if v) == 4 * L
+    assert sum(1 for s in report.by(pattern="all_gather_matmul") if s.details.get("rows_from")) == 4 * L
+    # and each MLP's reduce-scatter reads its gather's chunks: w2 in forward, w1/w3's input grads in backward
+    mlp_rs = {s.name: s.details.get("rows_from") for s in report.by(pattern="matmul_reduce_scatter")}
+    for i in range(L):
+        assert mlp_rs[f"forward:layers.{i}.feed_forward.w2:matmul_reduce_scatter"] == [
+            f"forward:layers.{i}.feed_forward:all_gather_matmul"
+        ]
+        assert mlp_rs[f"backward:layers.{i}.feed_forward:matmul_reduce_scatter"] == [
+            f"backward:layers.{i}.feed_forward.w2:all_gather_matmul"
+        ]
+    assert sum(1 for v in mlp_rs.values() if v) == 2 * L
     assert checked == 3 * 4 * L, checked  # 3 chunks of each
 
 
