@@ -143,6 +143,11 @@ class Options:
         # Frozen, hashable-by-content: store overrides as a plain dict copy.
         object.__setattr__(self, "overrides", {k: dict(v) for k, v in self.overrides.items()})
 
+    @property
+    def fixed_slices(self) -> bool:
+        """Whether micro-batch slices are asked for by number (``microbatches`` an int above 1)."""
+        return isinstance(self.microbatches, int) and self.microbatches > 1
+
     @classmethod
     def names(cls) -> list[str]:
         return [f.name for f in fields(cls)]

@@ -80,8 +80,7 @@ def _group_lowered(name: str | None, kind, options: Options, measured: bool = Tr
         return False
     if how == AS_ALL_TO_ALL:
         return True
-    slices = isinstance(options.microbatches, int) and options.microbatches > 1
-    if options.strategy == "none" and not slices:  # "auto" under "none": report only, nothing changes
+    if options.strategy == "none" and not options.fixed_slices:  # "auto" under "none": report only, nothing changes
         return False
     if kind is ops.ALL_GATHER and options.lanes > 0:  # lanes carry gloo's own all-gathers
         return False

@@ -235,6 +235,13 @@ def nbytes(node) -> int | None:
     return None if v is None else v.numel() * v.element_size()
 
 
+def hinted_nbytes(v: torch.Tensor | None) -> int | None:
+    """Bytes of ``v`` with symbolic sizes at their bucket's values (:func:`hint`); None where
+    ``v`` is None or a size is not known."""
+    n = hint(v.numel()) if v is not None else None
+    return None if n is None else n * v.element_size()
+
+
 def shape(node) -> list | None:
     v = val(node)
     return list(v.shape) if v is not None else None

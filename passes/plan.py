@@ -165,8 +165,7 @@ def predict_pipeline(site, profile: cost.Profile) -> cost.Prediction | None:
 
 
 def _nbytes(v) -> int:
-    n = ops.hint(v.numel()) if v is not None else None
-    return 0 if n is None else n * v.element_size()
+    return ops.hinted_nbytes(v) or 0
 
 
 def graph_profile(graph, graph_kind: str, options: Options) -> cost.Profile | None:
@@ -175,8 +174,7 @@ def graph_profile(graph, graph_kind: str, options: Options) -> cost.Profile | No
     ``options.measure`` allows (overlapc/runtime/live.py). None where nothing is planned:
     strategy "none" without overrides or micro-batch slices (slices are planned, and their
     program is scheduled by the measured times: passes/schedule.estimate)."""
-    slices = isinstance(options.microbatches, int) and options.microbatches > 1
-    if options.strategy == "none" and not options.overrides and not slices:
+    if options.strategy == "none" and not options.overrides and not options.fixed_slices:
         return None
     from overlapc.runtime import live
 

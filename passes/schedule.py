@@ -407,7 +407,11 @@ def estimate(nodes: list[Node], profile) -> Timing | None:
             continue
         if ops.is_collective(n):
             # a reduce-scatter or all-gather sent as all-to-alls is priced as what it stands for
-            kind, size, pieces = n.meta.get(PRICED_AS) or (ops.COST_KIND.get(n.target), _bytes(ops.val(n.args[0])), 1)
+            kind, size, pieces = n.meta.get(PRICED_AS) or (
+                ops.COST_KIND.get(n.target),
+                ops.hinted_nbytes(ops.val(n.args[0])),
+                1,
+            )
             world = ops.world_size(n)
             if kind is None or world is None or size is None or profile.numbers_from(kind, world) not in TRUSTED:
                 return None
@@ -434,34 +438,18 @@ def _compute_seconds(n: Node, profile):
         lhs = ops.val(n.args[ops.MATMULS[n.target][0]])
         if lhs is None or out is None or None in (k := ops.hint(lhs.shape[-1]), m := ops.hint(out.shape[-2])):
             return None
-        numel = _numel(out)
+        numel = ops.hint(out.numel())
         flops = None if numel is None else 2 * numel * k
         return None if flops is None else cost.t_gemm(flops, profile.gemm_for(ops.dtype_name(out)), rows=m)
     if "scaled_dot_product" in str(n.target):
         q, k = (ops.val(a) for a in n.args[:2])
-        if q is None or k is None or None in (numel := _numel(q), s := ops.hint(k.shape[-2])):
+        if q is None or k is None or None in (numel := ops.hint(q.numel()), s := ops.hint(k.shape[-2])):
             return None
         # QK^T and PV: 4 * batch * heads * L * S * E; the backward recomputes P and runs 4 more GEMMs
         flops = 4 * numel * s * (3 if "backward" in str(n.target) else 1)
         return cost.t_gemm(flops, profile.gemm_for(ops.dtype_name(q)))
-    size = _bytes(out)
+    size = ops.hinted_nbytes(out)
     return 0.0 if out is None else None if size is None else size / profile.copy_bw
-
-
-def _numel(v) -> int | None:
-    """Elements of ``v`` (symbolic sizes at their bucket's representative values: ops.hint)."""
-    total = 1
-    for d in v.shape:
-        h = ops.hint(d)
-        if h is None:
-            return None
-        total *= h
-    return total
-
-
-def _bytes(v) -> int | None:
-    numel = None if v is None else _numel(v)
-    return None if numel is None else numel * v.element_size()
 
 
 def schedule(graph: Graph, lanes: int = 0, profile=None) -> bool:
